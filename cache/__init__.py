@@ -1,0 +1,1 @@
+"""Prefix hashing and the prefix index (Redis and in-process)."""

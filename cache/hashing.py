@@ -1,0 +1,29 @@
+"""The block hash chain: one definition shared by the engine (which caches blocks) and the router.
+
+A block is `block_size` consecutive token ids. Its hash covers its parent's hash and its own tokens, so
+one hash names the whole prefix up to and including that block. Only full blocks are hashed.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+ROOT_HASH = 0
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Hash of one full block given its parent's hash (ROOT_HASH for the first block): a 63-bit int."""
+    payload = struct.pack(f"<q{len(tokens)}I", parent, *tokens)
+    # blake2b is in the standard library, stable across processes and machines (unlike hash()), and fast.
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") >> 1
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Hashes of every full block of `tokens`, in order; a trailing partial block is not hashed."""
+    hashes: list[int] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+

