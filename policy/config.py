@@ -88,6 +88,82 @@ class WorkersConfig(PulseModel):
 class RedisConfig(PulseModel):
     url: str | None = Field(None, description="Redis for the prefix index and keys; empty: in-process (single box).")
     timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it routing falls back to load only.")
+    namespace: str = Field("pulse:", description="Prefix of every Redis key Pulse writes (index, keys, quotas).")
+    retry_interval_s: float = Field(
+        1.0, gt=0, description="After a Redis failure, calls fail fast for this long before Redis is tried again."
+    )
+
+
+class RoutingConfig(PulseModel):
+    """How the gateway picks a worker (policy/routing.py). Costs are in prefill-token equivalents."""
+
+    strategy: Literal["pulse", "round_robin", "least_loaded", "session_sticky"] = Field(
+        "pulse", description="pulse: cached prefix vs load; the others are baselines the benchmark compares."
+    )
+    min_prefix_blocks: int = Field(1, ge=1, description="A worker holding fewer matching blocks counts as a miss.")
+    cache_weight: float = Field(1.0, ge=0, description="Cost credited per cached prompt token (prefill skipped).")
+    running_cost_tokens: float = Field(
+        64.0, ge=0, description="Cost per request already running on a worker (batching slows each step)."
+    )
+    queue_cost_tokens: float = Field(
+        1024.0, ge=0, description="Cost per request that would wait for a free slot on a worker."
+    )
+    kv_soft_limit: float = Field(0.8, ge=0, le=1, description="KV usage above which a worker is charged pressure.")
+    kv_pressure_cost_tokens: float = Field(
+        4096.0, ge=0, description="Cost of a worker at 100% KV usage (scaled linearly from kv_soft_limit)."
+    )
+    spread_threshold: float = Field(
+        0.5, ge=0, description="Occupancy (active/slots) by which a worker may exceed the least-loaded one and still "
+        "get prefix or session traffic; past it the request spreads to a less loaded worker."
+    )
+    session_bonus_tokens: float = Field(
+        256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
+    )
+    block_ttl_s: float = Field(
+        600.0, gt=0, description="Prefix-index entries lapse this long after their last publish (safety net)."
+    )
+
+
+class AdmissionConfig(PulseModel):
+    """When a request runs now, waits, or is refused (policy/admission.py)."""
+
+    queue_max: int = Field(256, ge=0, description="Requests the gateway may hold waiting; past it: 429.")
+    queue_deadline_s: float = Field(30.0, gt=0, description="Longest a request waits in the queue before a 429.")
+    background_queue_share: float = Field(
+        0.5, ge=0, le=1, description="Share of the queue that priority < 0 (background) requests may fill."
+    )
+    worker_queue_max: int = Field(
+        4, ge=0, description="Requests beyond its slots a worker may be sent (its own queue) before the gateway queues."
+    )
+    kv_reserve_fraction: float = Field(
+        1.0, ge=0, le=1, description="Share of max_tokens reserved in the worker's KV budget at admission."
+    )
+    clamp_max_tokens: bool = Field(
+        False, description="Lower max_tokens to fit the context instead of answering 400 (prompt overflow is 400)."
+    )
+    default_retry_after_s: int = Field(1, ge=1, description="Retry-After when no drain rate has been measured yet.")
+    max_retry_after_s: int = Field(60, ge=1, description="Upper bound on Retry-After.")
+    no_worker_retry_after_s: int = Field(5, ge=1, description="Retry-After of a 503 when no worker is healthy.")
+
+
+class KeysConfig(PulseModel):
+    """API keys (gateway/keys.py) and their limits (gateway/quota.py)."""
+
+    file: str | None = Field(
+        None, description="Keys file of the single box (used when redis.url is empty); empty: ~/.config/pulse/keys.json."
+    )
+    open_when_empty: bool = Field(
+        True, description="With no keys configured, serve without auth (only on a loopback bind; said at start)."
+    )
+    default_rpm: int = Field(0, ge=0, description="Requests per minute of a new key when not given (0: unlimited).")
+    default_tpm: int = Field(0, ge=0, description="Tokens per minute of a new key when not given (0: unlimited).")
+    default_concurrency: int = Field(0, ge=0, description="Concurrent requests of a new key (0: unlimited).")
+    stale_ttl_s: float = Field(
+        300.0, ge=0, description="While Redis is unreachable, keys verified within this long still pass."
+    )
+    concurrency_lease_s: float = Field(
+        900.0, gt=0, description="A concurrency slot a crashed gateway never released frees itself after this."
+    )
 
 
 class TelemetryConfig(PulseModel):
@@ -105,3 +181,6 @@ class PulseConfig(PulseModel):
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="The worker actors and their backend.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis (prefix index, keys, quotas).")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Traces, metrics and logs.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Worker choice: prefix vs load.")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission queue and limits.")
+    keys: KeysConfig = Field(default_factory=KeysConfig, description="API keys and per-key limits.")

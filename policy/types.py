@@ -1,0 +1,139 @@
+"""Plain data that routing and admission decide on. No I/O; the gateway fills these in.
+
+- `WorkerLoad`: one worker as the router sees it. Build it from a worker's BackendStats plus what this
+  gateway knows fresher than the last stats poll (requests it has in flight there):
+      WorkerLoad.from_stats(worker_id, msgspec.structs.asdict(stats), inflight=n, pending_prefill_tokens=t)
+- `RouteRequest`: what routing needs of a request (token counts, session, a per-gateway sequence number).
+- `RouteDecision`: the chosen worker (None if none can serve) and a short machine-readable reason.
+- `AdmissionRequest`, `QueueState`, `AdmissionDecision`: admission's inputs and answer.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+RouteReason = Literal[
+    "prefix_hit",  # best cost, helped by a cached prefix
+    "least_loaded",  # no useful cached prefix anywhere: least-loaded worker
+    "hot_prefix_spread",  # the prefix holder was overloaded against the others; went elsewhere
+    "session_affinity",  # the session's worker, still within the load threshold
+    "session_yield",  # the session's worker was overloaded; went elsewhere
+    "round_robin",
+    "session_sticky",  # the session-sticky strategy (never yields except to health)
+    "only_worker",  # a single healthy candidate
+    "no_healthy_worker",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load. Field names match workers.protocol.BackendStats, plus gateway-side counts."""
+
+    worker_id: str
+    healthy: bool = True
+    running: int = 0  # sequences generating now (from stats)
+    waiting: int = 0  # sequences queued inside the backend (from stats)
+    slots: int = 1  # sequences it can run at once
+    kv_blocks_total: int = 0  # 0: unknown (e.g. llama-server); KV checks are then skipped
+    kv_blocks_used: int = 0
+    block_size: int = 16
+    tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    inflight: int = 0  # requests this gateway has outstanding at the worker (fresher than stats)
+    pending_prefill_tokens: int = 0  # prompt tokens sent there that have not produced a first token yet
+    reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
+
+    @classmethod
+    def from_stats(cls, worker_id: str, stats: Mapping[str, Any], **extra: Any) -> WorkerLoad:
+        """From a BackendStats as a dict; unknown keys (e.g. preemptions) are ignored."""
+        known = _WORKER_LOAD_FIELDS
+        values = {k: v for k, v in stats.items() if k in known}
+        values.update(extra)
+        return cls(worker_id=worker_id, **values)
+
+    @property
+    def active(self) -> int:
+        """Requests at the worker: the larger of its own count and what this gateway sent there."""
+        return max(self.running + self.waiting, self.inflight)
+
+    @property
+    def occupancy(self) -> float:
+        """Active requests per slot: 1.0 = every slot busy; above 1 requests queue."""
+        return self.active / max(self.slots, 1)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, counting this gateway's reservations; 0 when unknown."""
+        if self.kv_blocks_total <= 0:
+            return 0.0
+        reserved_blocks = self.reserved_kv_tokens / max(self.block_size, 1)
+        return min(1.0, (self.kv_blocks_used + reserved_blocks) / self.kv_blocks_total)
+
+    @property
+    def kv_free_tokens(self) -> int | None:
+        """KV tokens still free (None when the worker does not report KV)."""
+        if self.kv_blocks_total <= 0:
+            return None
+        free_blocks = self.kv_blocks_total - self.kv_blocks_used
+        return max(0, free_blocks * self.block_size - self.reserved_kv_tokens)
+
+
+_WORKER_LOAD_FIELDS = frozenset(f.name for f in fields(WorkerLoad)) - {"worker_id"}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    max_tokens: int = 0
+    session_id: str | None = None  # x-session-id
+    session_worker: str | None = None  # where this session went last (if the gateway remembers); else hashed
+    seq: int = 0  # per-gateway request counter: round-robin position and tie-break rotation
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    worker_id: str | None  # None only with reason "no_healthy_worker"
+    reason: RouteReason
+    cached_tokens: int = 0  # prompt tokens the chosen worker is expected to hold
+    cost: float = 0.0  # the chosen worker's cost in token-equivalents (lower is better)
+    strategy: str = "pulse"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    prompt_tokens: int
+    max_tokens: int
+    cached_tokens: int = 0  # prefix the target worker holds (from the routing decision)
+    priority: int = 0  # higher is more important; below 0 is "background"
+    context_length: int = 0  # the served context window; 0: unknown (no 400 check)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """The gateway's admission queue right now."""
+
+    depth_by_priority: Mapping[int, int] = field(default_factory=dict)  # queued requests per priority
+    drain_rate_per_s: float = 0.0  # requests leaving the queue per second, measured (DrainRate)
+
+    @property
+    def depth(self) -> int:
+        return sum(self.depth_by_priority.values())
+
+    def ahead_of(self, priority: int) -> int:
+        """Queued requests served before a new one of this priority (same or higher priority)."""
+        return sum(n for p, n in self.depth_by_priority.items() if p >= priority)
+
+
+AdmissionAction = Literal["admit", "queue", "reject"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    action: AdmissionAction
+    status: int = 200  # HTTP status to answer with when rejected (400, 429, 503)
+    code: str = ""  # OpenAI-style error code, e.g. "rate_limited", "context_length_exceeded"
+    message: str = ""
+    retry_after_s: int | None = None  # for the Retry-After header (429/503)
+    deadline_s: float | None = None  # for "queue": give up (429) if not admitted within this many seconds
+    max_tokens: int = 0  # the max_tokens to run with (clamped when AdmissionConfig.clamp_max_tokens)
