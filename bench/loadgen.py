@@ -1,0 +1,275 @@
+"""Load generator for any OpenAI-compatible endpoint (aiohttp).
+
+Closed loop (N clients, each sends its next request when the last one ends) or open loop (a fixed request
+rate, in-flight capped at N). Streaming or not, chat or completions. Per request it times:
+- TTFT: from just before the request is sent to the first SSE event that carries content (role-only
+  first deltas do not count: an agent feels the first text, not the headers);
+- inter-token latency: gaps between successive content events;
+- total duration.
+A run is bounded by a request count and by time. Only loopback targets unless allow_remote: a benchmark
+must not be pointed at someone else's server by accident.
+
+    python -m bench.loadgen --url http://127.0.0.1:8000 --clients 32 --duration 5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class LoadSpec:
+    url: str  # base URL, e.g. http://127.0.0.1:8000 (the /v1/... path is added)
+    api: str = "chat"  # "chat" or "completions"
+    model: str = "pulse"
+    prompt: str = "Say hello."
+    max_tokens: int = 16
+    stream: bool = True
+    clients: int = 1  # closed loop: concurrent clients; open loop: cap on requests in flight
+    rate: float | None = None  # requests/s (open loop); None: closed loop
+    requests: int | None = None  # stop after this many requests
+    duration: float = 5.0  # stop issuing after this many seconds
+    timeout: float = 30.0  # per request
+    api_key: str | None = None
+    allow_remote: bool = False
+
+
+@dataclass
+class RequestResult:
+    status: int  # HTTP status; 0 when no response (connection error, timeout)
+    ttft: float | None = None  # seconds
+    itl: list[float] = field(default_factory=list)  # seconds between content events
+    total: float = 0.0
+    tokens: int = 0
+    error: str | None = None  # exception name, "stream_error" or "no_content"
+
+
+def check_target(url: str, allow_remote: bool = False) -> None:
+    """Refuse anything but loopback unless allowed; raises ValueError naming the host."""
+    host = urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"no host in URL {url!r}")
+    if allow_remote:
+        return
+    try:
+        addrs = {ipaddress.ip_address(host)}
+    except ValueError:
+        infos = socket.getaddrinfo(host, None)
+        addrs = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    if not addrs or not all(a.is_loopback for a in addrs):
+        raise ValueError(f"{host} is not a loopback address; pass --allow-remote to load a remote server")
+
+
+def request_body(spec: LoadSpec) -> tuple[str, dict]:
+    if spec.api == "chat":
+        body = {"model": spec.model, "messages": [{"role": "user", "content": spec.prompt}]}
+        path = "/v1/chat/completions"
+    elif spec.api == "completions":
+        body = {"model": spec.model, "prompt": spec.prompt}
+        path = "/v1/completions"
+    else:
+        raise ValueError(f"api must be chat or completions, not {spec.api!r}")
+    body.update(max_tokens=spec.max_tokens, stream=spec.stream, temperature=0)
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+def event_content(event: dict) -> tuple[str, int | None]:
+    """(text carried by one OpenAI stream event, completion_tokens if it carries usage)."""
+    text = ""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        text += (delta.get("content") or "") if delta else (choice.get("text") or "")
+    usage = event.get("usage")
+    return text, (usage.get("completion_tokens") if usage else None)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, t0: float, res: RequestResult) -> None:
+    last = None
+    events = 0
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        event = msgspec.json.decode(data)
+        if "error" in event:
+            res.error = "stream_error"
+            continue
+        text, usage_tokens = event_content(event)
+        if usage_tokens is not None:
+            res.tokens = usage_tokens
+        if text:
+            now = time.perf_counter()
+            events += 1
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+    if not res.tokens:
+        res.tokens = events  # no usage event: one content event per token is the best estimate
+    if res.ttft is None and res.error is None:
+        res.error = "no_content"
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> RequestResult:
+    res = RequestResult(status=0)
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+            elif stream:
+                await _read_stream(resp, t0, res)
+            else:
+                doc = await resp.json()
+                res.ttft = time.perf_counter() - t0
+                res.tokens = (doc.get("usage") or {}).get("completion_tokens", 0)
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        res.error = type(exc).__name__
+    res.total = time.perf_counter() - t0
+    return res
+
+
+async def run_load(spec: LoadSpec) -> dict:
+    """Run one bounded load; returns the aggregate (see `aggregate`)."""
+    check_target(spec.url, spec.allow_remote)
+    path, body = request_body(spec)
+    url = spec.url.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=spec.timeout)
+    connector = aiohttp.TCPConnector(limit=spec.clients)
+    results: list[RequestResult] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+        start = time.perf_counter()
+        if spec.rate:
+            await _open_loop(spec, session, url, body, start, results)
+        else:
+            await _closed_loop(spec, session, url, body, start, results)
+        wall = time.perf_counter() - start
+    return aggregate(results, wall)
+
+
+def _budget(spec: LoadSpec, start: float, issued: int) -> bool:
+    within_count = spec.requests is None or issued < spec.requests
+    return within_count and time.perf_counter() - start < spec.duration
+
+
+async def _closed_loop(spec, session, url, body, start, results) -> None:
+    issued = 0
+
+    async def client() -> None:
+        nonlocal issued
+        while _budget(spec, start, issued):
+            issued += 1
+            results.append(await one_request(session, url, body, spec.stream))
+
+    await asyncio.gather(*(client() for _ in range(spec.clients)))
+
+
+async def _open_loop(spec, session, url, body, start, results) -> None:
+    gate = asyncio.Semaphore(spec.clients)
+    tasks = []
+
+    async def fire() -> None:
+        async with gate:
+            results.append(await one_request(session, url, body, spec.stream))
+
+    issued = 0
+    while _budget(spec, start, issued):
+        # schedule by the clock, not by sleeps added up, so the rate does not drift
+        delay = start + issued / spec.rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(fire()))
+        issued += 1
+    await asyncio.gather(*tasks)
+
+
+def percentiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """p50/p90/p99 in ms (scale) of seconds; None where there are no values."""
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    qs = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
+    return {f"p{p}": float(q) * scale for p, q in zip(PERCENTILES, qs)}
+
+
+def _served(r: RequestResult) -> bool:
+    return r.status == 200 and r.error is None
+
+
+def aggregate(results: Sequence[RequestResult], wall: float) -> dict:
+    """Counts, rates and percentiles (ms) of one run. Only complete 200 answers count as served."""
+    ok = [r for r in results if _served(r)]
+    statuses = Counter(str(r.status) if r.status else "none" for r in results)
+    errors = Counter(r.error or str(r.status) for r in results if not _served(r) and r.status != 429)
+    tokens = sum(r.tokens for r in ok)
+    flat = {
+        "requests": len(results),
+        "ok": len(ok),
+        "rate_limited": statuses.get("429", 0),
+        "errors": sum(errors.values()),
+        "wall_s": wall,
+        "req_s": len(ok) / wall if wall > 0 else 0.0,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+    }
+    for name, values in (("ttft", [r.ttft for r in ok if r.ttft is not None]),
+                         ("itl", [g for r in ok for g in r.itl]),
+                         ("total", [r.total for r in ok])):
+        for p, v in percentiles(values).items():
+            flat[f"{name}_{p}_ms"] = v
+    return {"metrics": flat, "status_counts": dict(statuses), "error_kinds": dict(errors)}
+
+
+def _parse(argv: Sequence[str] | None) -> LoadSpec:
+    ap = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--model", default="pulse")
+    ap.add_argument("--prompt", default="Say hello.")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--no-stream", dest="stream", action="store_false")
+    ap.add_argument("--clients", type=int, default=1)
+    ap.add_argument("--rate", type=float, default=None, help="requests/s, open loop (default: closed loop)")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--allow-remote", action="store_true")
+    return LoadSpec(**vars(ap.parse_args(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    spec = _parse(argv)
+    try:
+        out = asyncio.run(run_load(spec))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    spec_doc = asdict(spec)
+    spec_doc.pop("api_key")  # never print a key
+    print(json.dumps({"spec": spec_doc, **out}, indent=1))
+    return 0 if out["metrics"]["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What a figure was measured on: CPU, cores, memory, GPU, load, git commit. Stored with every result."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU model name from /proc/cpuinfo text (x86 'model name', Arm 'Model'/'CPU part' fallbacks)."""
+    for key in ("model name", "Model", "Hardware", "CPU part"):
+        for line in cpuinfo.splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == key and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=cwd).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def gpus() -> list[str]:
+    """'name, memory' per GPU as nvidia-smi reports it; empty where there is no NVIDIA GPU."""
+    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def mem_total_gib() -> float | None:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return None
+
+
+def machine_info() -> dict:
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO)
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO))
+    return {
+        "cpu": cpu_model(_read("/proc/cpuinfo")),
+        "cores": os.cpu_count(),
+        "mem_total_gib": mem_total_gib(),
+        "gpus": gpus(),
+        "loadavg": list(os.getloadavg()),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "hostname": platform.node(),
+        "git_commit": commit or None,
+        "git_dirty": dirty,
+    }
+
+
+def describe(info: dict) -> str:
+    """One line for BENCHMARKS.md."""
+    gpu = "; ".join(info["gpus"]) or "no GPU"
+    return (f"{info['cpu']}, {info['cores']} cores, {info['mem_total_gib']} GiB, {gpu}; "
+            f"load {info['loadavg'][0]:.2f} at start; commit {str(info['git_commit'])[:10]}"
+            + (" (dirty)" if info["git_dirty"] else ""))
