@@ -80,6 +80,9 @@ class WorkersConfig(PulseModel):
     count: int | None = Field(None, ge=1, description="Worker actors; empty: one per GPU (one on a CPU box).")
     device_profile: str | None = Field(None, description="Device profile name; empty: detected from the device.")
     restart_max: int = Field(-1, description="Ray restarts of a dead worker actor (-1: unlimited).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each worker needs (e.g. {gb10: 1}) to place it on a box."
+    )
     loadtest: LoadTestConfig = Field(default_factory=LoadTestConfig, description="Load-test backend settings.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="CuPy/NumPy engine settings.")
     llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig, description="llama-server settings.")
@@ -113,8 +116,8 @@ class RoutingConfig(PulseModel):
         4096.0, ge=0, description="Cost of a worker at 100% KV usage (scaled linearly from kv_soft_limit)."
     )
     spread_threshold: float = Field(
-        0.5, ge=0, description="Occupancy (active/slots) by which a worker may exceed the least-loaded one and still "
-        "get prefix or session traffic; past it the request spreads to a less loaded worker."
+        0.5, ge=0, description="Occupancy (active/slots) by which a worker with no free slot may exceed the "
+        "least-loaded one and still get prefix or session traffic; past it the request spreads elsewhere."
     )
     session_bonus_tokens: float = Field(
         256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
