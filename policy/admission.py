@@ -1,0 +1,179 @@
+"""Whether a request runs now, waits in the gateway's queue, or is refused, and with what answer.
+
+    decision = admit(target, request, queue, cfg)
+
+- `target`: the `WorkerLoad` routing chose (None when routing found no healthy worker).
+- `request`: `AdmissionRequest` (prompt and max tokens, the cached prefix the target holds, priority,
+  the served context length).
+- `queue`: `QueueState` of the gateway's admission queue (depth per priority, measured drain rate).
+- `cfg`: `policy.config.AdmissionConfig`.
+
+The answer (`AdmissionDecision`):
+- "admit": send it now, with `max_tokens` (clamped only when cfg.clamp_max_tokens);
+- "queue": hold it at most `deadline_s`; while it waits, call `admit` again for the head of the queue
+  (with the queue state not counting that request); past the deadline answer `expired(queue, cfg)`;
+- "reject": answer `status` (400 context overflow, 429 busy, 503 no healthy worker) with `code`,
+  `message` and, for 429/503, `retry_after_s` for the Retry-After header.
+
+A request fits when the target's free KV (blocks free, less this gateway's reservations) holds its new
+tokens (prompt - cached prefix + kv_reserve_fraction * max_tokens) and the target has a slot or room in
+its own queue (cfg.worker_queue_max). Requests queue in priority order: a new request never overtakes
+queued requests of the same or higher priority. `DrainRate` measures how fast the queue empties;
+Retry-After is the time the queue ahead would take to drain at that rate.
+"""
+from __future__ import annotations
+
+import math
+
+from policy.config import AdmissionConfig
+from policy.types import AdmissionDecision, AdmissionRequest, QueueState, WorkerLoad
+
+
+def admit(
+    target: WorkerLoad | None, request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig
+) -> AdmissionDecision:
+    overflow = _context_overflow(request, cfg)
+    if overflow is not None:
+        return overflow
+    max_tokens = _effective_max_tokens(request, cfg)
+    if target is None or not target.healthy:
+        return AdmissionDecision(
+            "reject", 503, "no_healthy_worker", "No healthy worker can take this request; retry shortly.",
+            retry_after_s=cfg.no_worker_retry_after_s,
+        )
+    too_big = _never_fits(target, request, max_tokens, cfg)
+    if too_big is not None:
+        return too_big
+    if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg):
+        return AdmissionDecision("admit", max_tokens=max_tokens)
+    return _queue_or_reject(request, queue, cfg, max_tokens)
+
+
+def expired(queue: QueueState, cfg: AdmissionConfig) -> AdmissionDecision:
+    """The 429 for a request that waited its whole deadline in the queue."""
+    retry = retry_after(queue.depth, queue, cfg)
+    return AdmissionDecision(
+        "reject", 429, "server_overloaded",
+        f"Waited {cfg.queue_deadline_s:g} s in the queue without a free worker; retry after {retry} s.",
+        retry_after_s=retry,
+    )
+
+
+def retry_after(ahead: int, queue: QueueState, cfg: AdmissionConfig) -> int:
+    """Seconds until `ahead` queued requests drain at the measured rate, within [1, max_retry_after_s]."""
+    if queue.drain_rate_per_s <= 0:
+        return cfg.default_retry_after_s
+    return max(1, min(cfg.max_retry_after_s, math.ceil((ahead + 1) / queue.drain_rate_per_s)))
+
+
+def kv_tokens_needed(request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> int:
+    """New KV tokens the request takes on its worker: the cached prefix is shared, so it is credited."""
+    reserve = math.ceil(max_tokens * cfg.kv_reserve_fraction)
+    return max(0, request.prompt_tokens - request.cached_tokens) + reserve
+
+
+def _context_overflow(request: AdmissionRequest, cfg: AdmissionConfig) -> AdmissionDecision | None:
+    ctx = request.context_length
+    if ctx <= 0:
+        return None
+    prompt, asked = request.prompt_tokens, request.prompt_tokens + request.max_tokens
+    if prompt >= ctx:
+        return _reject_400(
+            f"This model's maximum context length is {ctx} tokens, but the prompt has {prompt} tokens: "
+            f"{prompt - ctx + 1} over (at least one token must be left for the completion). Shorten the messages."
+        )
+    if asked > ctx and not cfg.clamp_max_tokens:
+        return _reject_400(
+            f"This model's maximum context length is {ctx} tokens, but you requested {asked} tokens "
+            f"({prompt} in the messages, {request.max_tokens} in the completion): {asked - ctx} over. "
+            f"Lower max_tokens to at most {ctx - prompt} or shorten the messages."
+        )
+    return None
+
+
+def _effective_max_tokens(request: AdmissionRequest, cfg: AdmissionConfig) -> int:
+    if cfg.clamp_max_tokens and request.context_length > 0:
+        return min(request.max_tokens, request.context_length - request.prompt_tokens)
+    return request.max_tokens
+
+
+def _never_fits(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig):
+    """A request larger than the worker's whole KV cache can never run there: 400, not a retry loop."""
+    if w.kv_blocks_total <= 0:
+        return None
+    capacity = w.kv_blocks_total * w.block_size
+    need = request.prompt_tokens + math.ceil(max_tokens * cfg.kv_reserve_fraction)
+    if need <= capacity:
+        return None
+    return _reject_400(
+        f"The request needs {need} KV tokens (prompt {request.prompt_tokens} + completion {max_tokens}) but a "
+        f"worker holds at most {capacity}: {need - capacity} over. Lower max_tokens or shorten the messages."
+    )
+
+
+def _fits_now(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> bool:
+    if w.active >= w.slots + cfg.worker_queue_max:
+        return False
+    free = w.kv_free_tokens
+    return free is None or kv_tokens_needed(request, max_tokens, cfg) <= free
+
+
+def _queue_or_reject(request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig, max_tokens: int):
+    capacity = cfg.queue_max if request.priority >= 0 else int(cfg.queue_max * cfg.background_queue_share)
+    ahead = queue.ahead_of(request.priority)
+    if queue.depth >= capacity:
+        return _reject_429(
+            f"Workers are at capacity and the queue is full ({queue.depth} waiting)", ahead, queue, cfg
+        )
+    if queue.drain_rate_per_s > 0 and (ahead + 1) / queue.drain_rate_per_s > cfg.queue_deadline_s:
+        # Say no now rather than after the whole deadline: the queue ahead cannot drain in time.
+        return _reject_429(
+            f"Workers are at capacity; the {ahead} requests ahead would take longer than the "
+            f"{cfg.queue_deadline_s:g} s queue deadline", ahead, queue, cfg,
+        )
+    return AdmissionDecision("queue", deadline_s=cfg.queue_deadline_s, max_tokens=max_tokens)
+
+
+def _reject_429(reason: str, ahead: int, queue: QueueState, cfg: AdmissionConfig) -> AdmissionDecision:
+    retry = retry_after(ahead, queue, cfg)
+    return AdmissionDecision(
+        "reject", 429, "server_overloaded", f"{reason}; retry after {retry} s.", retry_after_s=retry
+    )
+
+
+def _reject_400(message: str) -> AdmissionDecision:
+    return AdmissionDecision("reject", 400, "context_length_exceeded", message)
+
+
+class DrainRate:
+    """Requests per second leaving the queue (or finishing), as an exponentially decaying average.
+
+    Pure: the caller passes the clock (`time.monotonic()`), so tests drive it. `record(now)` at each
+    departure; `rate(now)` is the rate over roughly the last `window_s` seconds.
+    """
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._count = 0.0  # decayed number of departures
+        self._last: float | None = None
+        self._first: float | None = None
+
+    def record(self, now: float, n: int = 1) -> None:
+        self._decay(now)
+        self._count += n
+
+    def rate(self, now: float) -> float:
+        if self._first is None:
+            return 0.0
+        self._decay(now)
+        # While fewer than window_s seconds have been observed, divide by the time actually seen.
+        seen = self.window_s * (1.0 - math.exp(-max(now - self._first, 1e-3) / self.window_s))
+        return self._count / seen
+
+    def _decay(self, now: float) -> None:
+        if self._last is None:
+            self._first = self._last = now
+            return
+        dt = max(0.0, now - self._last)
+        self._count *= math.exp(-dt / self.window_s)
+        self._last = now

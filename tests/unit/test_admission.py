@@ -1,0 +1,132 @@
+"""policy.admission on tables of cases, the drain-rate meter, and properties."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policy.admission import DrainRate, admit, expired, kv_tokens_needed, retry_after
+from policy.config import AdmissionConfig
+from policy.types import AdmissionRequest, QueueState, WorkerLoad
+
+CFG = AdmissionConfig(queue_max=10, queue_deadline_s=30, worker_queue_max=2, max_retry_after_s=60)
+
+
+def W(running=0, waiting=0, slots=4, total=100, used=0, block=16, **kw) -> WorkerLoad:
+    return WorkerLoad("w", running=running, waiting=waiting, slots=slots, kv_blocks_total=total,
+                      kv_blocks_used=used, block_size=block, **kw)
+
+
+def A(prompt=100, max_tokens=100, cached=0, priority=0, ctx=8192) -> AdmissionRequest:
+    return AdmissionRequest(prompt, max_tokens, cached, priority, ctx)
+
+
+def Q(depth=None, rate=0.0) -> QueueState:
+    return QueueState(depth or {}, rate)
+
+
+# (name, target, request, queue, cfg, (action, status, code))
+CASES = [
+    ("idle worker admits", W(), A(), Q(), CFG, ("admit", 200, "")),
+    ("no worker: 503", None, A(), Q(), CFG, ("reject", 503, "no_healthy_worker")),
+    ("unhealthy worker: 503", W(healthy=False), A(), Q(), CFG, ("reject", 503, "no_healthy_worker")),
+    ("prompt over context: 400", W(), A(prompt=9000, ctx=8192), Q(), CFG, ("reject", 400, "context_length_exceeded")),
+    ("prompt + max over context: 400", W(), A(prompt=8000, max_tokens=500), Q(), CFG,
+     ("reject", 400, "context_length_exceeded")),
+    ("prompt + max over context clamped", W(total=1000), A(prompt=8000, max_tokens=500), Q(),
+     AdmissionConfig(clamp_max_tokens=True), ("admit", 200, "")),
+    ("bigger than the whole KV: 400", W(total=10), A(prompt=100, max_tokens=100), Q(), CFG,
+     ("reject", 400, "context_length_exceeded")),
+    ("KV full: queue", W(used=95), A(), Q(), CFG, ("queue", 200, "")),
+    ("cached prefix is credited", W(used=95), A(prompt=1000, max_tokens=10, cached=990, ctx=0), Q(), CFG,
+     ("admit", 200, "")),
+    ("unknown KV: slots decide", W(total=0, running=4, waiting=1), A(), Q(), CFG, ("admit", 200, "")),
+    ("slots and worker queue full: queue", W(total=0, running=4, waiting=2), A(), Q(), CFG, ("queue", 200, "")),
+    ("queue full: 429", W(used=100), A(), Q({0: 10}, 1.0), CFG, ("reject", 429, "server_overloaded")),
+    ("does not overtake queued peers", W(), A(), Q({0: 1}), CFG, ("queue", 200, "")),
+    ("overtakes lower priority", W(), A(priority=1), Q({0: 5}), CFG, ("admit", 200, "")),
+    ("background gets a share of the queue", W(used=100), A(priority=-1), Q({0: 5}), CFG,
+     ("reject", 429, "server_overloaded")),
+    ("background queues below its share", W(used=100), A(priority=-1), Q({0: 4}), CFG, ("queue", 200, "")),
+    ("hopeless queue says no at once", W(used=100), A(), Q({0: 9}, 0.1), CFG, ("reject", 429, "server_overloaded")),
+]
+
+
+@pytest.mark.parametrize("name,target,req,queue,cfg,want", CASES, ids=[c[0] for c in CASES])
+def test_admission_table(name, target, req, queue, cfg, want):
+    d = admit(target, req, queue, cfg)
+    assert (d.action, d.status, d.code) == want, d
+    if d.status in (429, 503):
+        assert d.retry_after_s is not None and 1 <= d.retry_after_s <= cfg.max_retry_after_s
+    if d.action == "queue":
+        assert d.deadline_s == cfg.queue_deadline_s
+
+
+def test_overflow_messages_say_by_how_much():
+    d = admit(W(), A(prompt=8000, max_tokens=500, ctx=8192), Q(), CFG)
+    assert "8500" in d.message and "308 over" in d.message and "at most 192" in d.message
+    d = admit(W(), A(prompt=8200, ctx=8192), Q(), CFG)
+    assert "9 over" in d.message
+    d = admit(W(total=10), A(prompt=100, max_tokens=100, ctx=0), Q(), CFG)
+    assert "needs 200 KV tokens" in d.message and "40 over" in d.message
+
+
+def test_clamp_sets_max_tokens():
+    d = admit(W(total=1000), A(prompt=8000, max_tokens=500), Q(), AdmissionConfig(clamp_max_tokens=True))
+    assert d.max_tokens == 192
+    assert admit(W(), A(max_tokens=77), Q(), CFG).max_tokens == 77
+
+
+def test_retry_after_follows_drain_rate():
+    assert retry_after(9, Q(rate=2.0), CFG) == 5  # 10 requests at 2/s
+    assert retry_after(0, Q(rate=100.0), CFG) == 1  # never below 1 s
+    assert retry_after(10_000, Q(rate=1.0), CFG) == 60  # capped
+    assert retry_after(5, Q(rate=0.0), CFG) == CFG.default_retry_after_s  # nothing measured yet
+    d = admit(W(used=100), A(), Q({0: 10}, 2.0), CFG)
+    assert d.retry_after_s == 6 and "retry after 6 s" in d.message
+    e = expired(Q({0: 3}, 1.0), CFG)
+    assert (e.status, e.retry_after_s) == (429, 4)
+
+
+def test_reservations_count_against_free_kv():
+    # 100 blocks * 16 = 1600 tokens; 1500 reserved by earlier admissions leaves 100 < 200 needed
+    assert admit(W(reserved_kv_tokens=1500), A(ctx=0), Q(), CFG).action == "queue"
+    assert kv_tokens_needed(A(prompt=100, max_tokens=100, cached=64), 100, AdmissionConfig(kv_reserve_fraction=0.5)) == 86
+
+
+def test_drain_rate_measures_steady_rate_and_decays():
+    m = DrainRate(window_s=10)
+    assert m.rate(0.0) == 0.0
+    t = 0.0
+    for _ in range(200):  # 4 per second for 50 s
+        t += 0.25
+        m.record(t)
+    assert m.rate(t) == pytest.approx(4.0, rel=0.1)
+    early = DrainRate(window_s=10)
+    for i in range(1, 9):  # the warm-up is not underestimated: 4/s over the first 2 s
+        early.record(i * 0.25)
+    assert early.rate(2.0) == pytest.approx(4.0, rel=0.3)
+    assert m.rate(t + 30) < 0.3  # nothing left the queue for 30 s: the rate falls away
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    running=st.integers(0, 10), waiting=st.integers(0, 10), slots=st.integers(1, 8),
+    total=st.integers(0, 300), used=st.integers(0, 300), healthy=st.booleans(),
+    prompt=st.integers(1, 10_000), max_tokens=st.integers(0, 4000), cached=st.integers(0, 10_000),
+    priority=st.integers(-2, 2), ctx=st.integers(0, 9000),
+    depth=st.dictionaries(st.integers(-2, 2), st.integers(0, 20)), rate=st.floats(0, 50),
+)
+def test_every_answer_is_well_formed(running, waiting, slots, total, used, healthy, prompt, max_tokens, cached,
+                                     priority, ctx, depth, rate):
+    target = W(running, waiting, slots, total, min(used, total), healthy=healthy)
+    req = A(prompt, max_tokens, min(cached, prompt), priority, ctx)
+    d = admit(target, req, Q(depth, rate), CFG)
+    assert d.action in ("admit", "queue", "reject")
+    if d.action == "reject":
+        assert d.status in (400, 429, 503) and d.code and d.message
+        assert (d.retry_after_s is not None) == (d.status != 400)
+    if d.action == "admit":
+        free = target.kv_free_tokens
+        assert free is None or kv_tokens_needed(req, d.max_tokens, CFG) <= free
+        assert ctx == 0 or prompt + d.max_tokens <= ctx
