@@ -1,0 +1,174 @@
+"""Gateway overhead: Pulse's added time to first token and throughput against a plain aiohttp relay.
+
+In one run, interleaved per the protocol, at each client count:
+- direct: the bench upstream (bench/relay.py), streaming `tokens` SSE events per request, called directly;
+- relay:  a plain aiohttp relay in front of that upstream;
+- pulse:  `pulse serve --backend loadtest` (its load-test backend streams the same number of tokens).
+Added TTFT = target TTFT - direct TTFT in the same repeat (p50 from p50s, p99 from p99s); Pulse's req/s is
+compared with the relay's in the same repeat. Goal (issue 2): Pulse adds <= 2 ms p50 and <= 10 ms p99 at
+1 and 32 clients, and keeps >= 50% of the relay's req/s.
+
+    python -m bench.gateway_overhead --repeats 5 --warmup 2
+    python -m bench.gateway_overhead --no-pulse     # relay against direct only
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import protocol
+from bench.loadgen import LoadSpec, run_load
+from bench.machine import describe, machine_info
+from bench.procs import Proc, free_port, python_module
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO = 2.0, 10.0, 0.5
+TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms", "over_relay_ttft_p50_ms",
+                 "req_s", "req_s_vs_relay", "errors"]
+PLOT_METRICS = ["added_ttft_p50_ms", "added_ttft_p99_ms", "req_s"]
+
+
+def config_name(target: str, clients: int) -> str:
+    return f"{target}@{clients}"
+
+
+def derive(records: Sequence[dict], targets: Sequence[str], clients: Sequence[int]) -> list[dict]:
+    """Per repeat and client count: each target's TTFT over direct's and over the relay's, req/s over relay's.
+
+    Pairing within a repeat keeps the comparison inside one slice of time, which is what interleaving buys.
+    """
+    out = []
+    for repeat, cfgs in protocol.by_repeat(records).items():
+        for c in clients:
+            direct, relay = cfgs.get(config_name("direct", c)), cfgs.get(config_name("relay", c))
+            for target in targets:
+                m = cfgs.get(config_name(target, c))
+                if target == "direct" or m is None or direct is None:
+                    continue
+                d = {f"added_ttft_{p}_ms": _sub(m, direct, f"ttft_{p}_ms") for p in ("p50", "p99")}
+                if relay is not None and target != "relay":
+                    d["over_relay_ttft_p50_ms"] = _sub(m, relay, "ttft_p50_ms")
+                    d["req_s_vs_relay"] = m["req_s"] / relay["req_s"] if relay["req_s"] else None
+                out.append({"phase": "measure", "repeat": repeat, "config": config_name(target, c), "metrics": d})
+    return out
+
+
+def _sub(a: dict, b: dict, key: str) -> float | None:
+    return None if a.get(key) is None or b.get(key) is None else a[key] - b[key]
+
+
+def verdict(summary: dict, clients: Sequence[int]) -> list[str]:
+    """One line per goal, judged on medians over repeats."""
+    lines = []
+    for c in clients:
+        s = summary.get(config_name("pulse", c))
+        if not s:
+            continue
+        for key, goal, better in (("added_ttft_p50_ms", GOAL_P50_MS, "<="), ("added_ttft_p99_ms", GOAL_P99_MS, "<="),
+                                  ("req_s_vs_relay", GOAL_REQ_RATIO, ">=")):
+            if key not in s:
+                continue
+            med = s[key]["median"]
+            ok = med <= goal if better == "<=" else med >= goal
+            lines.append(f"{'MET ' if ok else 'MISS'} {c} clients: {key} median {med:.2f} (goal {better} {goal:g})")
+    return lines
+
+
+def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str, str]]:
+    """Start upstream, relay and (unless --no-pulse) Pulse; returns {target: (base url, model id)}."""
+    up_port, relay_port = free_port(), free_port()
+    up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port),
+                                        "--tokens", str(args.tokens)), log_dir)
+    procs.append(up)
+    relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
+                                        "--upstream", f"http://127.0.0.1:{up_port}"), log_dir)
+    procs.append(relay)
+    targets = {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
+    if not args.no_pulse:
+        port = free_port()
+        pulse = Proc("pulse", shlex.split(args.pulse_cmd.format(port=port)), log_dir)
+        procs.append(pulse)
+        targets["pulse"] = f"http://127.0.0.1:{port}"
+    for proc, url in zip(procs, targets.values()):
+        proc.wait_healthy(url + "/health", timeout=args.start_timeout)
+    return {name: (url, first_model(url)) for name, url in targets.items()}
+
+
+def first_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def measures(args, targets: dict[str, tuple[str, str]]) -> dict[str, protocol.Measure]:
+    out = {}
+    for c in args.clients:
+        for target, (url, model) in targets.items():
+            spec = LoadSpec(url=url, model=model, clients=c, duration=args.duration, requests=args.max_requests,
+                            max_tokens=args.tokens, api=args.api)
+            out[config_name(target, c)] = lambda spec=spec: run_load(spec)
+    return out
+
+
+def report(args, records, targets, machine, started) -> dict:
+    measured = protocol.summarize(records)
+    for cfg, ms in protocol.summarize(derive(records, list(targets), args.clients)).items():
+        measured.setdefault(cfg, {}).update(ms)
+    # rows by client count, then direct / relay / pulse, whatever order the last repeat ran in
+    order = [config_name(t, c) for c in args.clients for t in targets]
+    summary = {cfg: measured[cfg] for cfg in order if cfg in measured}
+    doc = protocol.result_document("gateway_overhead", records, summary, vars(args) | {"targets": targets},
+                                   started, machine)
+    doc["verdict"] = verdict(summary, args.clients)
+    table = protocol.markdown_table(summary, TABLE_METRICS)
+    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out)
+    print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n")
+    print("\n".join(doc["verdict"]))
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    return doc
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.gateway_overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeats", type=int, default=protocol.MIN_REPEATS)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds of load per run")
+    ap.add_argument("--max-requests", type=int, default=None, help="cap on requests per run")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per response (match workers.loadtest.tokens)")
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--no-pulse", action="store_true", help="measure the relay against direct only")
+    ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --host 127.0.0.1 --port {port}")
+    ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    # SIGTERM must run the finally below, or the servers outlive the benchmark
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    machine, started = machine_info(), time.time()
+    log_dir = args.out / f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
+    procs: list[Proc] = []
+    try:
+        targets = start_targets(args, log_dir, procs)
+        records = asyncio.run(protocol.run(measures(args, targets), args.repeats, args.warmup, not args.quiet))
+        report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

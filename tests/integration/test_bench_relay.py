@@ -1,0 +1,90 @@
+"""The bench upstream, the plain relay and the load generator, end to end on loopback (real processes)."""
+import json
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+
+from bench import gateway_overhead
+from bench.loadgen import LoadSpec, run_load
+from bench.procs import Proc, descendants, free_port, python_module
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    up_port, relay_port = free_port(), free_port()
+    up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port), "--tokens", "12"), logs)
+    relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
+                                        "--upstream", f"http://127.0.0.1:{up_port}"), logs)
+    try:
+        up.wait_healthy(f"http://127.0.0.1:{up_port}/health", 20)
+        relay.wait_healthy(f"http://127.0.0.1:{relay_port}/health", 20)
+        yield {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
+    finally:
+        relay.stop()
+        up.stop()
+    for proc in (up, relay):
+        assert proc.popen.poll() is not None, f"{proc.name} still running"
+
+
+@pytest.mark.parametrize("target", ["direct", "relay"])
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_streaming_load_counts_every_token(servers, target, api):
+    out = await run_load(LoadSpec(url=servers[target], api=api, clients=4, requests=40, duration=10, max_tokens=64))
+    m = out["metrics"]
+    assert (m["requests"], m["ok"], m["errors"], m["rate_limited"]) == (40, 40, 0, 0)
+    assert m["tok_s"] == pytest.approx(12 * m["req_s"])  # 12 tokens each, read from the usage event
+    assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] <= m["total_p99_ms"]
+    assert m["itl_p50_ms"] is not None
+
+
+async def test_max_tokens_caps_the_stream_and_non_streaming_works(servers):
+    out = await run_load(LoadSpec(url=servers["relay"], clients=1, requests=5, max_tokens=3))
+    assert out["metrics"]["tok_s"] == pytest.approx(3 * out["metrics"]["req_s"])
+    out = await run_load(LoadSpec(url=servers["relay"], clients=2, requests=6, stream=False))
+    assert out["metrics"]["ok"] == 6 and out["metrics"]["ttft_p50_ms"] > 0
+
+
+async def test_time_bound_and_open_loop_rate(servers):
+    out = await run_load(LoadSpec(url=servers["direct"], clients=2, duration=0.5))
+    assert 0.4 < out["metrics"]["wall_s"] < 3 and out["metrics"]["ok"] > 0
+    out = await run_load(LoadSpec(url=servers["direct"], rate=20, clients=8, duration=1.0))
+    assert 15 <= out["metrics"]["requests"] <= 21  # 20/s for 1 s, issued by the clock
+
+
+async def test_errors_are_counted_by_status_through_the_relay(servers):
+    # a path the upstream lacks: its 404 comes back through the relay and is counted as an error
+    out = await run_load(LoadSpec(url=servers["relay"] + "/nowhere", clients=1, requests=3))
+    assert out["metrics"]["errors"] == 3 and out["status_counts"] == {"404": 3}
+
+
+def test_relay_passes_bad_input_errors_through(servers):
+    req = urllib.request.Request(servers["relay"] + "/v1/chat/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 400 and "error" in json.loads(err.value.read())
+
+
+async def test_remote_target_is_refused_before_any_request():
+    with pytest.raises(ValueError, match="loopback"):
+        await run_load(LoadSpec(url="http://192.0.2.1:8000", requests=1))
+
+
+def test_gateway_overhead_relay_only_run_writes_results_and_leaves_nothing(tmp_path, capsys):
+    before = set(descendants(os.getpid()))
+    rc = gateway_overhead.main(["--no-pulse", "--clients", "1", "2", "--repeats", "1", "--warmup", "1",
+                                "--duration", "0.3", "--tokens", "8", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("gateway_overhead-*.json")).read_text())
+    assert {r["config"] for r in doc["records"]} == {"direct@1", "relay@1", "direct@2", "relay@2"}
+    assert doc["protocol"] == {"repeats": 1, "warmup": 1, "order": doc["protocol"]["order"]}
+    assert doc["summary"]["relay@2"]["added_ttft_p50_ms"]["n"] == 1
+    assert doc["summary"]["relay@1"]["errors"]["max"] == 0
+    assert next(tmp_path.glob("*.png")).stat().st_size > 0
+    assert "| relay@1 |" in capsys.readouterr().out
+    assert set(descendants(os.getpid())) <= before, "the benchmark left processes running"

@@ -1,0 +1,43 @@
+"""Gateway-overhead arithmetic: pairing per repeat, added TTFT, req/s against the relay, the goal verdict."""
+import pytest
+
+from bench import protocol
+from bench.gateway_overhead import derive, verdict
+
+
+def _rec(repeat, config, p50, p99, req_s, phase="measure"):
+    return {"phase": phase, "repeat": repeat, "config": config,
+            "metrics": {"ttft_p50_ms": p50, "ttft_p99_ms": p99, "req_s": req_s}}
+
+
+def test_derive_pairs_each_target_with_direct_and_relay_of_the_same_repeat():
+    records = [_rec(0, "direct@1", 1.0, 3.0, 900), _rec(0, "relay@1", 1.5, 4.0, 600), _rec(0, "pulse@1", 2.5, 9.0, 300),
+               _rec(1, "direct@1", 2.0, 5.0, 800), _rec(1, "relay@1", 2.2, 6.0, 500), _rec(1, "pulse@1", 5.0, 20.0, 400),
+               _rec(0, "pulse@1", 100.0, 100.0, 1, phase="warmup")]
+    derived = {(d["repeat"], d["config"]): d["metrics"] for d in derive(records, ["direct", "relay", "pulse"], [1])}
+    assert set(derived) == {(0, "relay@1"), (0, "pulse@1"), (1, "relay@1"), (1, "pulse@1")}
+    assert derived[(0, "pulse@1")] == pytest.approx(
+        {"added_ttft_p50_ms": 1.5, "added_ttft_p99_ms": 6.0, "over_relay_ttft_p50_ms": 1.0, "req_s_vs_relay": 0.5})
+    assert derived[(1, "relay@1")] == pytest.approx({"added_ttft_p50_ms": 0.2, "added_ttft_p99_ms": 1.0})
+    assert derived[(1, "pulse@1")]["req_s_vs_relay"] == pytest.approx(0.8)
+
+
+def test_verdict_judges_medians_against_the_goal():
+    records = []
+    for r in range(5):
+        records += [_rec(r, "direct@1", 1.0, 3.0, 900), _rec(r, "relay@1", 1.2, 4.0, 600),
+                    _rec(r, "pulse@1", 2.0 + r * 0.1, 30.0, 400),
+                    _rec(r, "direct@32", 20.0, 40.0, 1000), _rec(r, "relay@32", 24.0, 60.0, 800),
+                    _rec(r, "pulse@32", 50.0, 200.0, 100)]
+    summary = protocol.summarize(derive(records, ["direct", "relay", "pulse"], [1, 32]))
+    lines = verdict(summary, [1, 32])
+    assert len(lines) == 6
+    # 1 client: added p50 = 1.0..1.4 (median 1.2) meets <= 2; p99 27 misses; 400/600 meets >= 0.5
+    assert lines[0].startswith("MET  1 clients: added_ttft_p50_ms median 1.20")
+    assert lines[1].startswith("MISS 1 clients: added_ttft_p99_ms")
+    assert lines[2].startswith("MET  1 clients: req_s_vs_relay median 0.67")
+    assert all(line.startswith("MISS 32 clients") for line in lines[3:])
+
+
+def test_verdict_is_empty_without_pulse():
+    assert verdict({"relay@1": {"added_ttft_p50_ms": protocol.spread([1.0])}}, [1]) == []

@@ -1,0 +1,55 @@
+"""Load generator pieces that need no server: target check, request bodies, event parsing, aggregation."""
+import pytest
+
+from bench.loadgen import LoadSpec, RequestResult, aggregate, check_target, event_content, percentiles, request_body
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80", "http://127.5.5.5"])
+def test_loopback_targets_are_allowed(url):
+    check_target(url)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://8.8.8.8", "http://[2001:db8::1]:80", "nohost"])
+def test_other_targets_are_refused_without_allow_remote(url):
+    with pytest.raises(ValueError):
+        check_target(url)
+
+
+def test_allow_remote_lets_a_remote_literal_through():
+    check_target("http://10.0.0.1:8000", allow_remote=True)
+
+
+def test_request_bodies():
+    path, body = request_body(LoadSpec(url="x", api="chat", max_tokens=7))
+    assert path == "/v1/chat/completions" and body["messages"][0]["role"] == "user"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 7
+    path, body = request_body(LoadSpec(url="x", api="completions", stream=False))
+    assert path == "/v1/completions" and "prompt" in body and "stream_options" not in body
+    with pytest.raises(ValueError):
+        request_body(LoadSpec(url="x", api="embeddings"))
+
+
+def test_event_content_reads_chat_and_completion_events():
+    assert event_content({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ("", None)
+    assert event_content({"choices": [{"delta": {"content": "hi"}}]}) == ("hi", None)
+    assert event_content({"choices": [{"text": "yo", "index": 0}]}) == ("yo", None)
+    assert event_content({"choices": [], "usage": {"completion_tokens": 16}}) == ("", 16)
+
+
+def test_percentiles_in_ms():
+    p = percentiles([0.001 * i for i in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01)
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_aggregate_counts_429_apart_from_errors_and_rates_only_served_requests():
+    results = [RequestResult(200, ttft=0.001 * i, itl=[0.0001], total=0.002 * i, tokens=16) for i in range(1, 11)]
+    results += [RequestResult(429), RequestResult(429), RequestResult(500), RequestResult(0, error="ClientOSError"),
+                RequestResult(200, error="stream_error", tokens=3)]
+    out = aggregate(results, wall=2.0)
+    m = out["metrics"]
+    assert (m["requests"], m["ok"], m["rate_limited"], m["errors"]) == (15, 10, 2, 3)
+    assert m["req_s"] == 5.0 and m["tok_s"] == 80.0
+    assert m["ttft_p50_ms"] == pytest.approx(5.5) and m["itl_p50_ms"] == pytest.approx(0.1)
+    assert out["status_counts"] == {"200": 11, "429": 2, "500": 1, "none": 1}
+    assert out["error_kinds"] == {"500": 1, "ClientOSError": 1, "stream_error": 1}

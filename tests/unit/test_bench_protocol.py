@@ -1,0 +1,116 @@
+"""The measurement protocol: interleaving order, warm-up discarded, median/spread math, result shape."""
+import json
+
+import pytest
+
+from bench import protocol
+from bench.protocol import Step
+
+
+def test_schedule_interleaves_every_config_once_per_repeat_and_rotates():
+    steps = protocol.schedule(["A", "B", "C"], repeats=3, warmup=0)
+    orders = [[s.config for s in steps if s.repeat == r] for r in range(3)]
+    assert orders == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
+    assert all(s.phase == "measure" for s in steps)
+
+
+def test_schedule_puts_warmup_first_and_keeps_rotating_after_it():
+    steps = protocol.schedule(["A", "B"], repeats=2, warmup=1)
+    assert steps == [Step("warmup", 0, "A"), Step("warmup", 0, "B"),
+                     Step("measure", 0, "B"), Step("measure", 0, "A"),
+                     Step("measure", 1, "A"), Step("measure", 1, "B")]
+
+
+@pytest.mark.parametrize("configs,repeats,warmup", [([], 5, 2), (["A", "A"], 5, 2), (["A"], 0, 2), (["A"], 5, -1)])
+def test_schedule_rejects_bad_input(configs, repeats, warmup):
+    with pytest.raises(ValueError):
+        protocol.schedule(configs, repeats, warmup)
+
+
+def test_spread_is_median_min_max():
+    assert protocol.spread([5.0, 1.0, 3.0, 100.0]) == {"median": 4.0, "min": 1.0, "max": 100.0, "n": 4}
+    assert protocol.spread([2.0]) == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 1}
+    with pytest.raises(ValueError):
+        protocol.spread([])
+
+
+def _rec(phase, repeat, config, **metrics):
+    return {"phase": phase, "repeat": repeat, "config": config, "metrics": metrics}
+
+
+def test_summarize_discards_warmup_and_skips_missing_values():
+    records = [_rec("warmup", 0, "A", x=1000.0), _rec("measure", 0, "A", x=1.0, y=None),
+               _rec("measure", 1, "A", x=3.0, y=7.0), _rec("measure", 0, "B", x=10.0)]
+    s = protocol.summarize(records)
+    assert s["A"]["x"] == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert s["A"]["y"]["n"] == 1
+    assert s["B"]["x"]["median"] == 10.0
+
+
+def test_by_repeat_groups_measured_records():
+    records = [_rec("warmup", 0, "A", x=9.0), _rec("measure", 0, "A", x=1.0), _rec("measure", 0, "B", x=2.0),
+               _rec("measure", 1, "A", x=3.0)]
+    assert protocol.by_repeat(records) == {0: {"A": {"x": 1.0}, "B": {"x": 2.0}}, 1: {"A": {"x": 3.0}}}
+
+
+async def test_run_follows_the_schedule_marks_warmup_and_keeps_detail():
+    calls = []
+
+    def measure(name):
+        async def go():
+            calls.append(name)
+            return {"metrics": {"v": float(len(calls))}, "status_counts": {"200": 1}}
+        return go
+
+    records = await protocol.run({"A": measure("A"), "B": measure("B")}, repeats=5, warmup=2, progress=False)
+    assert calls == [s.config for s in protocol.schedule(["A", "B"], 5, 2)]
+    assert [r["phase"] for r in records].count("warmup") == 4
+    assert records[0]["detail"] == {"status_counts": {"200": 1}}
+    summary = protocol.summarize(records)
+    # the first 4 calls (values 1..4) were warm-up and must not reach the summary
+    assert summary["A"]["v"]["min"] >= 5 and summary["B"]["v"]["min"] >= 5
+    assert summary["A"]["v"]["n"] == 5
+
+
+async def test_run_accepts_flat_metrics():
+    async def flat():
+        return {"v": 1.0}
+
+    records = await protocol.run({"A": flat}, repeats=5, warmup=0, progress=False)
+    assert records[0]["metrics"] == {"v": 1.0} and "detail" not in records[0]
+
+
+def test_markdown_table_shows_median_and_range():
+    summary = {"A": {"x": protocol.spread([1.0, 2.0, 4.0])}}
+    table = protocol.markdown_table(summary, ["x", "missing"], digits=1)
+    assert table.splitlines() == ["| config | x | missing |", "| --- | --- | --- |", "| A | 2.0 (1.0–4.0) | – |"]
+
+
+def test_command_line_names_module_runs():
+    assert protocol.command_line(["/repo/bench/gateway_overhead.py", "--repeats", "5"]) == \
+        "python -m bench.gateway_overhead --repeats 5"
+    assert protocol.command_line(["/usr/bin/pytest", "a b"]) == "pytest 'a b'"
+
+
+def test_result_document_and_files(tmp_path):
+    records = [_rec("warmup", 0, "A", x=9.0)] + [_rec("measure", r, "A", x=float(r)) for r in range(5)]
+    summary = protocol.summarize(records)
+    machine = {"cpu": "test cpu", "cores": 2, "loadavg": [0.1, 0.1, 0.1], "git_commit": "abc"}
+    doc = protocol.result_document("demo", records, summary, {"k": 1}, started=1.0, machine=machine)
+    assert {"benchmark", "command", "machine", "loadavg_end", "params", "started", "finished", "protocol",
+            "records", "summary"} <= set(doc)
+    assert doc["protocol"]["repeats"] == 5 and doc["protocol"]["warmup"] == 1
+    assert doc["machine"]["cpu"] == "test cpu"
+    paths = protocol.write_result(doc, protocol.markdown_table(summary, ["x"]), ["x"], tmp_path)
+    assert json.loads(paths["json"].read_text())["summary"]["A"]["x"]["median"] == 2.0
+    assert "| A |" in paths["md"].read_text()
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_machine_info_reads_this_machine():
+    from bench.machine import cpu_model, machine_info
+
+    info = machine_info()
+    assert info["cores"] >= 1 and len(info["loadavg"]) == 3 and isinstance(info["gpus"], list)
+    assert cpu_model("processor\t: 0\nmodel name\t: Some CPU @ 2GHz\n") == "Some CPU @ 2GHz"
+    assert cpu_model("CPU part\t: 0xd4f\n") == "0xd4f"
