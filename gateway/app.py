@@ -1,0 +1,110 @@
+"""The gateway's HTTP application (aiohttp): routes, error mapping, and the server it runs in."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from gateway.completions import CompletionService
+from gateway.errors import APIError, error_response
+from gateway.pool import WorkerPool
+
+log = logging.getLogger("pulse.gateway")
+
+# curl -d sends application/x-www-form-urlencoded and many scripts send text/plain: parse those as JSON too
+_JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded", "text/plain")
+
+
+class Gateway:
+    """Holds the gateway's parts and builds its aiohttp application."""
+
+    def __init__(self, service: CompletionService, pool: WorkerPool, *, registry=REGISTRY):
+        self.service, self.pool, self.registry = service, pool, registry
+        self.draining = False
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        cfg = self.service.cfg.server
+        app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            return error_response(e)
+        except web.HTTPRequestEntityTooLarge as e:
+            return error_response(APIError(413, f"request body too large: {e.text}", code="body_too_large"))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error_response(APIError(e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")))
+        except (ConnectionResetError,):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(APIError(500, "internal error", code="internal_error"))
+
+    async def _body(self, request: web.Request) -> bytes:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining", headers={"Retry-After": "5"})
+        ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
+            raise APIError(415, f"Content-Type must be application/json; got {ctype!r}", code="unsupported_media_type")
+        return await request.read()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.service.respond(request, "chat", await self._body(request))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.service.respond(request, "completion", await self._body(request))
+
+    def _model_card(self) -> dict:
+        return {"id": self.service.cfg.model.name, "object": "model", "created": self.created, "owned_by": "pulse"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.service.cfg.model.name:
+            raise APIError(404, f"The model `{request.match_info['model']}` does not exist", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        workers = {w.worker_id: w.healthy for w in self.pool.workers.values()}
+        ok = self.pool.any_healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def start_server(app: web.Application, host: str, port: int, *, reuse_port: bool = True,
+                       max_header_bytes: int = 16384) -> tuple[web.AppRunner, int]:
+    """Serve `app`; several gateway processes can share one port (SO_REUSEPORT) so the kernel spreads clients."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=max_header_bytes,
+                           max_line_size=max_header_bytes)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    return runner, sock.getsockname()[1]

@@ -1,0 +1,252 @@
+"""The two generation endpoints: request -> prompt ids -> a worker -> tokens back to the client.
+
+Hot path. The first token is flushed at once; a worker that fails before the first byte is retried
+elsewhere; after it, the client gets one in-band SSE error event and the stream closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from gateway.errors import APIError, bad_param, error_body
+from gateway.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    decode,
+    stop_list,
+    text_of,
+    validate_chat,
+    validate_completion,
+)
+from gateway.pool import WorkerPool, WorkerState, iter_chunks
+from gateway.prompt import PromptBuilder
+from gateway.responses import Shaper
+from policy.config import PulseConfig
+from workers.protocol import BackendError, Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
+
+log = logging.getLogger("pulse.gateway")
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Routed:
+    worker: WorkerState
+    reason: str
+
+
+class LeastLoadedRouter:
+    """Fallback routing: the routable worker with the least queued work."""
+
+    def choose(self, workers: list[WorkerState], request: GenerateRequest) -> Routed:
+        best = min(workers, key=lambda w: (w.inflight + w.stats.waiting, w.stats.kv_blocks_used, w.worker_id))
+        return Routed(best, "least_loaded")
+
+
+class CompletionService:
+    def __init__(self, config: PulseConfig, builder: PromptBuilder, pool: WorkerPool, *, context_length: int,
+                 token_text, router=None, max_retries: int = 2):
+        self.cfg, self.builder, self.pool = config, builder, pool
+        self.context_length = context_length
+        self.token_text = token_text
+        self.router = router or LeastLoadedRouter()
+        self.max_retries = max_retries
+        self._limits = dict(max_stop_strings=config.server.max_stop_strings,
+                            max_stop_length=config.server.max_stop_length)
+
+    # ---- request -> GenerateRequest ------------------------------------------------------------
+    def parse_chat(self, body: bytes) -> tuple[ChatRequest, GenerateRequest]:
+        req = decode(body, ChatRequest)
+        validate_chat(req, max_messages=self.cfg.server.max_messages, **self._limits)
+        self._check_model(req.model)
+        prompt = self.builder.chat(req.messages)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return req, self._generate_request(req, prompt.ids, req.max_completion_tokens or req.max_tokens, top)
+
+    def parse_completion(self, body: bytes) -> tuple[CompletionRequest, GenerateRequest]:
+        req = decode(body, CompletionRequest)
+        validate_completion(req, **self._limits)
+        self._check_model(req.model)
+        prompt = self.builder.completion(req.prompt)
+        if any(not 0 <= t < (1 << 31) for t in prompt.ids):
+            raise bad_param("prompt", "token ids must be non-negative 32-bit integers")
+        return req, self._generate_request(req, prompt.ids, req.max_tokens, req.logprobs)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.cfg.model.name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.cfg.model.name}`",
+                           param="model", code="model_not_found")
+
+    def _generate_request(self, req, ids: list[int], max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
+        n = len(ids)
+        if n == 0:
+            raise bad_param("prompt" if isinstance(req, CompletionRequest) else "messages", "the prompt is empty")
+        room = self.context_length - n
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                           f"{n} tokens, {n - self.context_length + 1} too many to generate even one token.",
+                           param="messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                           f"{n} and max_tokens asks for {max_tokens}: {n + max_tokens - self.context_length} over.",
+                           param="max_tokens", code="context_length_exceeded")
+        prediction = None
+        if req.prediction is not None:
+            prediction = self.builder.encode_plain(text_of(req.prediction.content))
+        return GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=ids,
+            max_tokens=max_tokens or room,
+            sampling=SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+            ),
+            stop=stop_list(req.stop),
+            ignore_eos=req.ignore_eos,
+            max_draft_tokens=req.max_draft_tokens,
+            prediction_ids=prediction,
+            logprobs=logprobs,
+            priority=req.priority or 0,
+        )
+
+    # ---- routing with retry before the first byte ----------------------------------------------
+    async def open(self, gen: GenerateRequest) -> tuple[WorkerState, object, Chunk]:
+        """Route and open a stream; returns (worker, response, first chunk). Retries elsewhere before output."""
+        tried: set[str] = set()
+        last: BackendError | None = None
+        for _ in range(self.max_retries + 1):
+            workers = [w for w in self.pool.routable() if w.worker_id not in tried]
+            if not workers:
+                break
+            routed = self.router.choose(workers, gen)
+            w = routed.worker
+            tried.add(w.worker_id)
+            w.inflight += 1
+            try:
+                resp = await self.pool.open_stream(w, gen)
+                it = iter_chunks(resp)
+                try:
+                    first = await it.__anext__()
+                except StopAsyncIteration:
+                    raise BackendError(f"worker {w.worker_id} closed the stream before any output", 503) from None
+                except (asyncio.TimeoutError, OSError, Exception) as e:
+                    if isinstance(e, (BackendError, asyncio.CancelledError)):
+                        raise
+                    resp.close()
+                    self.pool.record_failure(w)
+                    raise BackendError(f"worker {w.worker_id} failed before any output: {e}", 503) from None
+                return w, (resp, it), first
+            except BackendError as e:
+                w.inflight -= 1
+                last = e
+                if e.status < 500 and e.status != 429:
+                    raise APIError(e.status, e.message, code=e.code) from None
+                continue
+            except BaseException:
+                w.inflight -= 1
+                raise
+        if last is not None and last.status == 429:
+            raise APIError(429, last.message, code="rate_limited", headers={"Retry-After": "1"})
+        if not self.pool.any_healthy():
+            raise APIError(503, "no healthy worker can serve this request now", code="no_healthy_worker",
+                           headers={"Retry-After": "2"})
+        raise APIError(503, f"no worker could take the request: {last.message if last else 'none routable'}",
+                       code="workers_unavailable", headers={"Retry-After": "1"})
+
+    # ---- responses -----------------------------------------------------------------------------
+    async def respond(self, request: web.Request, kind: str, body: bytes) -> web.StreamResponse:
+        req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
+        shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
+        worker, (resp, it), first = await self.open(gen)
+        try:
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await self._stream(request, shaper, worker, it, first, include_usage)
+            return await self._whole(shaper, worker, it, first)
+        finally:
+            worker.inflight -= 1
+            resp.close()
+
+    async def _all(self, it: AsyncIterator[Chunk], first: Chunk) -> AsyncIterator[Chunk]:
+        yield first
+        async for c in it:
+            yield c
+
+    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: Chunk) -> web.Response:
+        parts: list[str] = []
+        lps: list[TokenLogprob] | None = None
+        final: Chunk | None = None
+        try:
+            async for c in self._all(it, first):
+                parts.append(c.text)
+                if c.logprobs is not None:
+                    lps = (lps or []) + c.logprobs
+                if c.finish_reason is not None:
+                    final = c
+                    break
+        except Exception as e:
+            raise APIError(503, f"worker {worker.worker_id} failed mid-generation: {e}", code="worker_failed") from None
+        if final is None or final.finish_reason == "error":
+            msg = final.error if final and final.error else "the worker stream ended without a result"
+            raise APIError(503, f"generation failed on worker {worker.worker_id}: {msg}", code="worker_failed")
+        body = shaper.whole("".join(parts), _finish(final), final.usage or Usage(), lps)
+        return web.Response(body=_json.encode(body), content_type="application/json",
+                            headers={"x-pulse-worker": worker.worker_id})
+
+    async def _stream(self, request: web.Request, shaper: Shaper, worker: WorkerState, it, first: Chunk,
+                      include_usage: bool) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          "x-pulse-worker": worker.worker_id})
+        await out.prepare(request)
+        is_first = True
+        try:
+            async for c in self._all(it, first):
+                if c.finish_reason == "error":
+                    await _sse_error(out, c.error or "generation failed")
+                    return out
+                if c.text or c.logprobs or is_first or c.finish_reason:
+                    finish = _finish(c) if c.finish_reason else None
+                    if c.text or c.logprobs or is_first:
+                        await out.write(_event(shaper.stream_chunk(c.text, None, c.logprobs, is_first)))
+                        is_first = False
+                    if finish:
+                        await out.write(_event(shaper.stream_chunk("", finish, None, False)))
+                if c.finish_reason is not None:
+                    if include_usage:
+                        await out.write(_event(shaper.usage_chunk(c.usage or Usage())))
+                    await out.write(DONE)
+                    return out
+            await _sse_error(out, "the worker stream ended without a result")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client left: closing the upstream (finally in respond) cancels the generation
+        except Exception as e:  # after the first byte: one in-band error event, then close
+            log.warning("stream from %s failed: %s", worker.worker_id, e)
+            await _sse_error(out, f"worker {worker.worker_id} failed mid-stream")
+        return out
+
+
+def _finish(c: Chunk) -> str:
+    return "stop" if c.finish_reason in ("stop", "cancelled") else c.finish_reason or "stop"
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+async def _sse_error(out: web.StreamResponse, message: str) -> None:
+    try:
+        await out.write(_event(error_body(503, message, None, "worker_failed")))
+    except (ConnectionResetError, RuntimeError):
+        pass

@@ -1,0 +1,85 @@
+"""The gateway ingress: a Ray Serve deployment whose replicas serve HTTP themselves.
+
+Serve's own HTTP proxy is bypassed (proxy disabled): every replica runs an aiohttp server on the
+configured port with SO_REUSEPORT, so N replicas share port 8000 and the kernel spreads connections.
+Serve still does what it is good at: placing replicas, health-checking and restarting them.
+"""
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from gateway.app import Gateway, start_server
+from gateway.completions import CompletionService
+from gateway.pool import Discover, WorkerPool
+from gateway.prompt import PromptBuilder
+from policy.config import PulseConfig
+from workers.protocol import WorkerInfo
+from workers.protocol.model import load_model_info, load_tokenizer
+
+log = logging.getLogger("pulse.gateway")
+
+NAMESPACE = "pulse"
+
+
+def ray_discover(worker_names: list[str]) -> Discover:
+    """Find worker actors by name; `start()` is idempotent and returns the (new) address after a restart."""
+    import ray
+
+    async def discover(worker_id: str | None) -> list[WorkerInfo]:
+        names = worker_names if worker_id is None else [worker_id]
+        out = []
+        for name in names:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            out.append(await actor.start.remote())
+        return out
+
+    return discover
+
+
+def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
+    info = load_model_info(config.model.path)
+    tok = load_tokenizer(config.model.path)
+    builder = PromptBuilder(tok, architecture=info.architecture, bos_token_id=info.bos_token_id,
+                            add_bos=info.add_bos, template=config.model.chat_template or info.chat_template)
+    pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s)
+    ctx = config.model.context_length or info.context_length
+
+    def token_text(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    service = CompletionService(config, builder, pool, context_length=ctx, token_text=token_text)
+    return Gateway(service, pool)
+
+
+async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: bool = True):
+    await gateway.pool.start()
+    ctx = min([w.info.context_length for w in gateway.pool.workers.values() if w.info.context_length] or
+              [gateway.service.context_length])
+    gateway.service.context_length = ctx
+    runner, bound = await start_server(gateway.app(), host, port, reuse_port=reuse_port,
+                                       max_header_bytes=gateway.service.cfg.server.max_header_bytes)
+    return runner, bound
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=5, graceful_shutdown_timeout_s=30)
+class GatewayIngress:
+    async def __init__(self, config_json: str, worker_names: list[str]):
+        config = PulseConfig.model_validate_json(config_json)
+        self.gateway = build_gateway(config, ray_discover(worker_names))
+        self.runner, self.port = await run_gateway(self.gateway, config.server.host, config.server.port)
+        log.info("gateway replica serving on %s:%d", config.server.host, self.port)
+
+    async def drain(self) -> int:
+        """Stop taking new requests (503); returns the streams still in flight."""
+        self.gateway.draining = True
+        return sum(w.inflight for w in self.gateway.pool.workers.values())
+
+    async def check_health(self) -> None:
+        if self.runner.server is None:
+            raise RuntimeError("gateway HTTP server is not running")
+
+    async def __del__(self):
+        await self.runner.cleanup()
+        await self.gateway.pool.close()

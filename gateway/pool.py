@@ -1,0 +1,188 @@
+"""The gateway's view of the workers: where each one's token stream is, its live load, its health.
+
+Tokens do not cross Ray: each worker serves its stream over a direct HTTP channel (workers/stream.py)
+and the gateway keeps pooled keep-alive connections to it. Ray only tells the gateway where the workers
+are (`discover`), restarts dead ones, and places them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from workers.protocol import (
+    BackendError,
+    BackendStats,
+    Chunk,
+    GenerateRequest,
+    WorkerInfo,
+    chunk_decoder,
+    encode,
+    stats_decoder,
+)
+
+log = logging.getLogger("pulse.gateway.pool")
+
+Discover = Callable[[str | None], Awaitable[list[WorkerInfo]]]
+
+
+@dataclass
+class WorkerState:
+    info: WorkerInfo
+    stats: BackendStats = field(default_factory=BackendStats)
+    inflight: int = 0  # streams this gateway has open to the worker
+    healthy: bool = True
+    failures: int = 0  # consecutive failures (circuit breaker)
+    open_until: float = 0.0  # circuit open: not routed to before this time
+    last_seen: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and now >= self.open_until
+
+
+class WorkerPool:
+    """Worker addresses, load and health; opens token streams.
+
+    `discover(worker_id or None)` returns WorkerInfo for all workers (None) or for one worker whose
+    channel failed (after a restart its address changes).
+    """
+
+    def __init__(self, discover: Discover, *, poll_interval_s: float = 0.5, first_byte_timeout_s: float = 60.0,
+                 breaker_threshold: int = 3, breaker_open_s: float = 5.0):
+        self._discover = discover
+        self._poll_interval = poll_interval_s
+        self._first_byte_timeout = first_byte_timeout_s
+        self._breaker_threshold, self._breaker_open_s = breaker_threshold, breaker_open_s
+        self.workers: dict[str, WorkerState] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task | None = None
+        self._rediscovering: set[str] = set()
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        for info in await self._discover(None):
+            self.workers[info.worker_id] = WorkerState(info)
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_loop())
+
+    async def close(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+        if self._session:
+            await self._session.close()
+
+    def routable(self) -> list[WorkerState]:
+        now = time.monotonic()
+        return [w for w in self.workers.values() if w.routable(now)]
+
+    def any_healthy(self) -> bool:
+        return any(w.healthy for w in self.workers.values())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval)
+            try:
+                await self.poll_once()
+            except Exception:  # the poller must outlive any one bad reading
+                log.exception("worker poll failed")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+
+    async def _poll(self, w: WorkerState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(w.info.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    raise BackendError(f"stats answered {r.status}")
+                w.stats = stats_decoder.decode(await r.read())
+            w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
+        except (aiohttp.ClientError, asyncio.TimeoutError, BackendError, OSError):
+            w.healthy = False
+            self._schedule_rediscover(w.worker_id)
+
+    def _schedule_rediscover(self, worker_id: str) -> None:
+        if worker_id in self._rediscovering:
+            return
+        self._rediscovering.add(worker_id)
+
+        async def run() -> None:
+            try:
+                for info in await self._discover(worker_id):
+                    state = self.workers.setdefault(info.worker_id, WorkerState(info))
+                    state.info = info
+                    await self._poll_no_rediscover(state)
+            except Exception as e:  # the worker may still be restarting: the next poll tries again
+                log.info("rediscovery of %s failed: %s", worker_id, e)
+            finally:
+                self._rediscovering.discard(worker_id)
+
+        asyncio.get_running_loop().create_task(run())
+
+    async def _poll_no_rediscover(self, w: WorkerState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(w.info.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                w.stats = stats_decoder.decode(await r.read())
+                w.healthy = r.status == 200 and w.stats.healthy
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            w.healthy = False
+
+    def record_failure(self, w: WorkerState) -> None:
+        w.failures += 1
+        if w.failures >= self._breaker_threshold:
+            w.open_until = time.monotonic() + self._breaker_open_s
+            log.warning("circuit open for worker %s after %d failures", w.worker_id, w.failures)
+        self._schedule_rediscover(w.worker_id)
+
+    async def open_stream(self, w: WorkerState, request: GenerateRequest) -> aiohttp.ClientResponse:
+        """Send the request; returns the response once the worker accepted it (headers received).
+
+        Raises BackendError when the worker refuses or cannot be reached — nothing was sent to the
+        client yet, so the caller may retry elsewhere.
+        """
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self._first_byte_timeout)
+        try:
+            resp = await self._session.post(
+                w.info.url + "/generate", data=encode(request), timeout=timeout,
+                headers={"Content-Type": "application/json"},
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self.record_failure(w)
+            raise BackendError(f"worker {w.worker_id} unreachable: {e}", 503, "worker_unreachable") from None
+        if resp.status != 200:
+            body = await resp.read()
+            resp.release()
+            try:
+                detail = msgspec_error(body)
+            except Exception:
+                detail = body[:200].decode(errors="replace")
+            if resp.status >= 500:
+                self.record_failure(w)
+            raise BackendError(detail, resp.status if resp.status < 600 else 503, "worker_refused")
+        w.failures = 0
+        return resp
+
+
+async def iter_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
+    """Chunks from a worker stream: one JSON object per line."""
+    async for line in resp.content:
+        if line.strip():
+            yield chunk_decoder.decode(line)
+
+
+def msgspec_error(body: bytes) -> str:
+    import msgspec
+
+    data = msgspec.json.decode(body)
+    return data.get("error", {}).get("message") or str(data)

@@ -1,0 +1,92 @@
+"""Chat templating and tokenization, done once per request in the gateway.
+
+The model's embedded Jinja template is used where the GGUF has one. The bundled Gemma 3 GGUF has none,
+so the Gemma family's own turn format applies (`<start_of_turn>role\\n...<end_of_turn>\\n`, the system
+prompt folded into the first user turn, `model` for the assistant) — not a generic ChatML fallback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.errors import APIError
+from gateway.openai_types import Message, text_of
+
+GEMMA_TEMPLATE = """\
+{%- set ns = namespace(prefix='') -%}
+{%- for m in messages -%}
+{%- if m.role in ('system', 'developer') and loop.first -%}
+{%- set ns.prefix = m.content + '\n\n' -%}
+{%- else -%}
+{%- set role = 'model' if m.role == 'assistant' else 'user' -%}
+<start_of_turn>{{ role }}
+{% if role == 'user' and ns.prefix %}{{ ns.prefix }}{% set ns.prefix = '' %}{% endif -%}
+{{ m.content | trim }}<end_of_turn>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<start_of_turn>model
+{% endif -%}
+"""
+
+CHATML_TEMPLATE = """\
+{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}
+"""
+
+FAMILY_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE}
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    ids: list[int]
+
+
+class PromptBuilder:
+    """Renders chat messages with the model's template and tokenizes with the model's vocabulary."""
+
+    def __init__(self, tokenizer, *, architecture: str, bos_token_id: int | None, add_bos: bool, template: str | None):
+        self._tok = tokenizer
+        self._bos = bos_token_id if add_bos else None
+        source = template or FAMILY_TEMPLATES.get(architecture, CHATML_TEMPLATE)
+        env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
+        self._template = env.from_string(source)
+
+    def chat(self, messages: list[Message]) -> Prompt:
+        rows = [{"role": m.role, "content": _content(m)} for m in messages]
+        try:
+            text = self._template.render(messages=rows, add_generation_prompt=True, bos_token="")
+        except Exception as e:  # a template error is the request's content meeting the template's rules
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        return Prompt(text, self.encode(text))
+
+    def completion(self, prompt: str | list) -> Prompt:
+        if isinstance(prompt, str):
+            return Prompt(prompt, self.encode(prompt))
+        if prompt and isinstance(prompt[0], str):
+            return self.completion(prompt[0])
+        if prompt and isinstance(prompt[0], list):
+            return self.completion(prompt[0])
+        return Prompt(None, list(prompt))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self._bos] if self._bos is not None else []) + ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _content(m: Message) -> str:
+    text = text_of(m.content)
+    if m.role == "tool":
+        return f"Tool result{f' ({m.tool_call_id})' if m.tool_call_id else ''}:\n{text}"
+    if m.tool_calls:
+        calls = "\n".join(f'{{"name": "{c.function.name}", "arguments": {c.function.arguments or "{}"}}}' for c in m.tool_calls)
+        return (text + "\n" if text else "") + calls
+    return text

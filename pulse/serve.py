@@ -1,0 +1,134 @@
+"""`pulse serve`: start (or join) Ray, start one worker actor per device, deploy the gateway, wait for a signal.
+
+Ctrl-C / SIGTERM drains: workers refuse new requests (503), in-flight streams get `drain_grace_s` to
+finish, then everything this command started is stopped (the gateway, the workers and any llama-server
+they run, and the local Ray instance), leaving no processes behind.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import urllib.request
+
+from policy.config import PulseConfig
+
+log = logging.getLogger("pulse.serve")
+NAMESPACE = "pulse"
+
+
+def worker_count(config: PulseConfig, gpus: float) -> int:
+    return config.workers.count or max(1, int(gpus))
+
+
+def start_workers(config: PulseConfig, gpus: float) -> tuple[list, list[str]]:
+    import ray
+
+    from workers.actor import WorkerActor
+
+    n = worker_count(config, gpus)
+    per_worker_gpu = 1 if gpus >= n and gpus > 0 else 0
+    bind = "127.0.0.1" if config.server.ray_address is None else "0.0.0.0"
+    cls = ray.remote(WorkerActor)
+    names = [f"pulse-worker-{i}" for i in range(n)]
+    cfg_json = config.model_dump_json()
+    actors = [
+        cls.options(name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=per_worker_gpu,
+                    resources=dict(config.workers.resources), max_restarts=config.workers.restart_max,
+                    max_concurrency=10_000, get_if_exists=False).remote(cfg_json, name, bind)
+        for name in names
+    ]
+    return actors, names
+
+
+def wait_healthy(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
+def serve_main(config: PulseConfig) -> int:
+    import ray
+    from ray import serve
+
+    from gateway.ingress import GatewayIngress
+    from workers.protocol.model import load_model_info, load_tokenizer
+
+    print(f"pulse: preparing model {config.model.path or '(bundled Gemma 3 270M)'}", flush=True)
+    load_model_info(config.model.path)
+    load_tokenizer(config.model.path)  # derived once here so workers and gateways read the cache
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    ray.init(address=config.server.ray_address, include_dashboard=config.server.ray_dashboard,
+             namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=False)
+    actors: list = []
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        actors, names = start_workers(config, gpus)
+        infos = ray.get([a.start.remote() for a in actors])
+        for info in infos:
+            print(f"pulse: worker {info.worker_id} ready ({config.workers.backend} on {info.device})", flush=True)
+        serve.start(proxy_location="Disabled")
+        app = GatewayIngress.options(num_replicas=config.server.gateway_replicas).bind(
+            config.model_dump_json(), names)
+        serve.run(app, name="pulse", route_prefix=None, blocking=False)
+        host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
+        base = f"http://{host}:{config.server.port}"
+        if not wait_healthy(base + "/health", 120):
+            print("pulse: the gateway did not become healthy within 120 s", flush=True)
+            return 1
+        print(f"pulse: serving {config.model.name} at {base}/v1  ({len(actors)} worker(s), "
+              f"backend {config.workers.backend}); Ctrl-C stops", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("pulse: stopping (draining in-flight requests)", flush=True)
+        _drain(actors, config.server.drain_grace_s)
+        return 0
+    finally:
+        _shutdown(actors)
+
+
+def _drain(actors: list, grace_s: float) -> None:
+    import ray
+
+    try:
+        ray.get([a.drain.remote() for a in actors], timeout=5)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            running = sum(s.running + s.waiting for s in ray.get([a.stats.remote() for a in actors], timeout=5))
+            if running == 0:
+                return
+            time.sleep(0.2)
+    except Exception as e:  # a worker already gone has nothing to drain
+        log.info("drain: %s", e)
+
+
+def _shutdown(actors: list) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception as e:
+        log.info("serve shutdown: %s", e)
+    try:
+        ray.get([a.close.remote() for a in actors], timeout=15)
+    except Exception as e:
+        log.info("worker close: %s", e)
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass
+    ray.shutdown()

@@ -1,0 +1,113 @@
+"""The worker actor: owns one device, runs one Backend, serves its token stream.
+
+Ray places it (num_gpus=1 on a GPU box), restarts it when it dies, and gives the gateway its address;
+tokens go over the worker's own HTTP channel (workers/stream.py). `start()` is idempotent, so after a
+restart the gateway simply calls it again to learn the new address.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+from policy.config import PulseConfig
+from policy.profiles import builtin_profiles, select_profile
+from workers.protocol import BackendStats, BlockEvent, WorkerInfo
+from workers.protocol.model import load_model_info
+from workers.registry import backend_class
+from workers.stream import StreamServer
+
+log = logging.getLogger("pulse.worker")
+
+
+def detect_device() -> tuple[str, str]:
+    """('cuda', GPU name) when this process was given a GPU, else ('cpu', 'cpu')."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and visible not in ("-1", "NoDevFiles"):
+        try:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            return "cuda", props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        except Exception as e:  # CuPy missing or no usable driver: serve on the CPU rather than not at all
+            log.warning("GPU %s visible but not usable (%s); running on CPU", visible, e)
+    return "cpu", "cpu"
+
+
+def advertised_host(bind: str) -> str:
+    """The address other nodes reach this worker at."""
+    if bind not in ("0.0.0.0", "::"):
+        return bind
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class WorkerActor:
+    def __init__(self, config_json: str, worker_id: str, bind_host: str = "127.0.0.1"):
+        self.config = PulseConfig.model_validate_json(config_json)
+        self.worker_id = worker_id
+        self.bind_host = bind_host
+        self.backend = None
+        self.server: StreamServer | None = None
+        self.info_: WorkerInfo | None = None
+        self.block_events: list[BlockEvent] = []
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> WorkerInfo:
+        async with self._lock:
+            if self.info_ is not None:
+                return self.info_
+            kind, device_name = detect_device()
+            profile = select_profile(device_name, builtin_profiles(), self.config.workers.device_profile)
+            model = load_model_info(self.config.model.path)
+            cls = backend_class(self.config.workers.backend)
+            self.backend = cls(self.config, profile, model, block_sink=self._on_blocks, worker_id=self.worker_id)
+            await self.backend.start()
+            self.server = StreamServer(self.backend, host=self.bind_host)
+            url = await self.server.start()
+            host = advertised_host(self.bind_host)
+            url = url.replace(self.bind_host, host, 1) if host != self.bind_host else url
+            stats = self.backend.stats()
+            ctx = self.config.model.context_length or min(model.context_length, profile.context_length)
+            self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
+                                    node_id=_node_id(), device=device_name, block_size=stats.block_size,
+                                    context_length=ctx)
+            log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
+            return self.info_
+
+    def _on_blocks(self, event: BlockEvent) -> None:
+        # The prefix index subscribes here (cache/); until it is attached, keep a bounded recent history.
+        self.block_events.append(event)
+        del self.block_events[:-1024]
+
+    async def info(self) -> WorkerInfo | None:
+        return self.info_
+
+    async def stats(self) -> BackendStats:
+        return self.backend.stats() if self.backend else BackendStats(healthy=False)
+
+    async def drain(self) -> None:
+        """Refuse new generations (503); in-flight ones run on."""
+        if self.server:
+            self.server.draining = True
+
+    async def close(self) -> None:
+        if self.server:
+            await self.server.close()
+        if self.backend:
+            await self.backend.close()
+        self.info_ = None
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return ""

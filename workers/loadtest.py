@@ -1,0 +1,63 @@
+"""The load-test backend: an instrument for measuring gateway overhead, not a model.
+
+It streams a configured number of tokens at a configured rate and does no inference, so what a
+benchmark measures in front of it is the gateway and the channel. Selected with
+`pulse serve --backend loadtest`; never a default.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from workers.protocol import Backend, BackendError, BackendStats, Chunk, GenerateRequest, Usage
+
+
+class LoadTestBackend(Backend):
+    name = "loadtest"
+
+    def __init__(self, config, profile=None, model=None, block_sink=None, worker_id: str = "w0"):
+        self.cfg = config.workers.loadtest
+        self.worker_id = worker_id
+        self.running = 0
+        self.generated = 0
+        self._started = time.monotonic()
+        self._cancelled: set[str] = set()
+
+    async def start(self) -> None:
+        self._started = time.monotonic()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        if self.running >= self.cfg.slots:
+            raise BackendError("load-test backend is at its slot limit", 429, "no_capacity")
+        self.running += 1
+        try:
+            n = min(self.cfg.tokens, request.max_tokens)
+            gap = 1.0 / self.cfg.tokens_per_s if self.cfg.tokens_per_s > 0 else 0.0
+            for i in range(n):
+                if request.request_id in self._cancelled:
+                    break
+                if gap:
+                    await asyncio.sleep(gap)
+                elif i:
+                    await asyncio.sleep(0)  # yield like a real backend between steps
+                self.generated += 1
+                yield Chunk(text=f" t{i}", token_ids=[1000 + i])
+            usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=n)
+            yield Chunk(finish_reason="length" if n == request.max_tokens else "stop", usage=usage)
+        finally:
+            self.running -= 1
+            self._cancelled.discard(request.request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    async def health(self) -> bool:
+        return True
+
+    def stats(self) -> BackendStats:
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        return BackendStats(running=self.running, slots=self.cfg.slots, tokens_per_s=self.generated / elapsed)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,99 @@
+"""A worker's token stream over a direct HTTP channel (not a Ray call per chunk).
+
+POST /generate takes a GenerateRequest (JSON) and answers with one Chunk (JSON) per line; GET /stats
+answers BackendStats. Chunks that are ready together go out in one write (coalescing), the first at
+once. A gateway that closes the connection cancels the generation: aiohttp cancels the handler and the
+backend's iterator is closed in `finally`, freeing the slot and KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from workers.protocol import Backend, BackendError, encode, request_decoder
+
+log = logging.getLogger("pulse.worker.stream")
+
+
+class StreamServer:
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
+        self.backend, self.host, self.port = backend, host, port
+        self._runner: web.AppRunner | None = None
+        self.draining = False
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/stats", self.stats)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://{self.host}:{self.port}"
+
+    async def close(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+    async def stats(self, request: web.Request) -> web.Response:
+        stats = self.backend.stats()
+        if self.draining:
+            stats.healthy = False
+        return web.Response(body=encode(stats), content_type="application/json")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return _error(503, "worker is draining", "draining")
+        try:
+            req = request_decoder.decode(await request.read())
+        except Exception as e:
+            return _error(400, f"bad generate request: {e}", "bad_request")
+        chunks = self.backend.generate(req)
+        try:
+            first = await chunks.__anext__()
+        except BackendError as e:
+            await chunks.aclose()
+            return _error(e.status, e.message, e.code)
+        except StopAsyncIteration:
+            return _error(500, "backend produced no output", "backend_error")
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await resp.prepare(request)
+            await resp.write(encode(first) + b"\n")
+            if first.finish_reason is not None:
+                return resp
+            pending = asyncio.ensure_future(chunks.__anext__())
+            while True:
+                chunk = await pending
+                batch = [encode(chunk)]
+                done = chunk.finish_reason is not None
+                # coalesce whatever else is ready right now into the same write
+                while not done:
+                    pending = asyncio.ensure_future(chunks.__anext__())
+                    await asyncio.sleep(0)
+                    if not pending.done():
+                        break
+                    chunk = pending.result()
+                    batch.append(encode(chunk))
+                    done = chunk.finish_reason is not None
+                await resp.write(b"\n".join(batch) + b"\n")
+                if done:
+                    return resp
+        except StopAsyncIteration:
+            return resp
+        finally:
+            if "pending" in locals() and not pending.done():
+                pending.cancel()
+                try:
+                    await pending
+                except (asyncio.CancelledError, StopAsyncIteration, Exception):
+                    pass
+            await chunks.aclose()
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.Response(status=status, body=encode({"error": {"message": message, "code": code}}),
+                        content_type="application/json")
