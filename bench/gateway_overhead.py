@@ -22,12 +22,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from bench import protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import describe, machine_info
 from bench.procs import Proc, free_port, python_module
+from pulse import doctor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO = 2.0, 10.0, 0.5
@@ -156,7 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     # SIGTERM must run the finally below, or the servers outlive the benchmark
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    machine, started = machine_info(), time.time()
+    # what would spoil the figures, read before anything starts, kept with the result
+    found = doctor.findings(doctor.take_readings(0.5))
+    print(doctor.table(found), file=sys.stderr)
+    machine, started = machine_info() | {"doctor": [asdict(f) for f in found]}, time.time()
     log_dir = args.out / f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     procs: list[Proc] = []
     try:

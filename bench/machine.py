@@ -71,4 +71,11 @@ def describe(info: dict) -> str:
     gpu = "; ".join(info["gpus"]) or "no GPU"
     return (f"{info['cpu']}, {info['cores']} cores, {info['mem_total_gib']} GiB, {gpu}; "
             f"load {info['loadavg'][0]:.2f} at start; commit {str(info['git_commit'])[:10]}"
-            + (" (dirty)" if info["git_dirty"] else ""))
+            + (" (dirty)" if info["git_dirty"] else "") + _doctor_note(info.get("doctor")))
+
+
+def _doctor_note(found: list[dict] | None) -> str:
+    if found is None:
+        return ""
+    warned = [f"{f['check']} ({f['value']})" for f in found if f["ok"] is False]
+    return "; pulse doctor: " + ("; ".join(warned) if warned else "clean")
