@@ -277,7 +277,7 @@ def first_token_event(span: trace.Span) -> None:
 # Logging lives in its own module to keep this one short; re-exported so callers import one place.
 from workers.protocol.telemetry_logging import JsonFormatter, RedactFilter, TextFormatter, redact, setup_logging  # noqa: E402
 
-__all__ = [name for name in dir() if name.isupper()] + [
+__all__ = [name for name in dir() if name.isupper() and name != "TYPE_CHECKING"] + [
     "setup_tracing",
     "otlp_protocol",
     "inject_context",
