@@ -1,0 +1,251 @@
+"""The PrefixIndex contract against both implementations, and Redis failure handling, with a real redis-server."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from cache.hashing import chain_hashes
+from cache.index import IndexUnavailable
+from cache.memory_index import MemoryPrefixIndex
+from cache.redis_guard import make_client
+from cache.redis_index import RedisPrefixIndex
+from tests.conftest_redis import redis_server  # noqa: F401  (fixture)
+
+H = chain_hashes(list(range(16 * 8)), 16)  # 8 chained block hashes
+OTHER = chain_hashes([7] * 64, 16)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def index(request):
+    if request.param == "memory":
+        yield MemoryPrefixIndex(ttl_s=60)
+        return
+    server = request.getfixturevalue("redis_server")
+    idx = RedisPrefixIndex(make_client(server.url, 0.5), namespace="t:", ttl_s=60, timeout_s=0.5)
+    yield idx
+    await idx.close()
+
+
+async def test_round_trip_several_workers(index):
+    await index.publish("w1", H[:5])
+    await index.publish("w2", H[:3])
+    await index.publish("w3", H[:1], "checkpoint")
+    assert await index.longest_prefix(H) == {"w1": 5, "w2": 3, "w3": 1}
+    assert await index.longest_prefix(H[:2]) == {"w1": 2, "w2": 2, "w3": 1}
+    assert await index.longest_prefix(OTHER) == {}
+    assert await index.longest_prefix([]) == {}
+
+
+async def test_a_gap_ends_the_prefix(index):
+    await index.publish("w", [H[0], H[1], H[3], H[4]])
+    assert await index.longest_prefix(H) == {"w": 2}
+    assert await index.longest_prefix(H[3:]) == {"w": 2}  # a suffix chain on its own is still a chain
+
+
+async def test_evict_and_drop_worker(index):
+    await index.publish("w1", H)
+    await index.publish("w2", H)
+    await index.evict("w1", [H[3]])
+    await index.evict("w1", [OTHER[0]])  # unknown: ignored
+    assert await index.longest_prefix(H) == {"w1": 3, "w2": 8}
+    await index.drop_worker("w2")
+    assert await index.longest_prefix(H) == {"w1": 3}
+    await index.drop_worker("nobody")
+
+
+async def test_tiers(index):
+    await index.publish("w", H[:4], "gpu")
+    await index.publish("w", H, "checkpoint")
+    assert await index.longest_prefix(H) == {"w": 8}
+    assert await index.longest_prefix(H, tiers=["gpu"]) == {"w": 4}
+    assert await index.longest_prefix(H, tiers=["host"]) == {}
+    await index.evict("w", H[:1], "gpu")  # the GPU copy went; the checkpoint remains
+    assert await index.longest_prefix(H, tiers=["gpu"]) == {}
+    assert await index.longest_prefix(H) == {"w": 8}
+    await index.evict("w", H[:1])  # every tier
+    assert await index.longest_prefix(H) == {}
+    with pytest.raises(ValueError):
+        await index.publish("w", H, "disk")
+
+
+async def test_snapshot_replaces_a_workers_entries(index):
+    await index.publish("w", H)
+    await index.publish("v", H[:2])
+    await index.snapshot("w", {"gpu": H[:2], "checkpoint": H[:6]})
+    assert await index.longest_prefix(H) == {"w": 6, "v": 2}
+    assert await index.longest_prefix(H, tiers=["gpu"]) == {"w": 2, "v": 2}
+    await index.snapshot("w", {})
+    assert await index.longest_prefix(H) == {"v": 2}
+
+
+async def test_apply_block_events(index):
+    await index.apply("w", "added", H[:4], "gpu")
+    await index.apply("w", "evicted", H[2:4], "gpu")
+    assert await index.longest_prefix(H) == {"w": 2}
+    with pytest.raises(ValueError):
+        await index.apply("w", "moved", H)
+
+
+async def test_memory_expiry_is_a_safety_net():
+    clock = Clock()
+    index = MemoryPrefixIndex(ttl_s=10, clock=clock)
+    await index.publish("w", H)
+    clock.t += 5
+    await index.publish("w", H[:2])  # refreshed: lives 10 s from now
+    clock.t += 6
+    assert await index.longest_prefix(H) == {"w": 2}
+    clock.t += 5
+    assert await index.longest_prefix(H) == {}
+    assert index.sweep() == 8 and len(index) == 0
+
+
+@pytest.mark.slow
+async def test_redis_expiry_is_a_safety_net(redis_server):
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="t:", ttl_s=1, timeout_s=0.5)
+    try:
+        await index.publish("w", H)
+        assert await index.longest_prefix(H) == {"w": 8}
+        await asyncio.sleep(2.1)  # entries carry whole-second expiry
+        assert await index.longest_prefix(H) == {}
+        # the keys themselves are gone too, so lost evictions do not grow Redis
+        r = aioredis.Redis.from_url(redis_server.url)
+        assert await r.keys("t:pfx:b:*") == []
+        await r.aclose()
+    finally:
+        await index.close()
+
+
+async def command_calls(r: aioredis.Redis) -> dict[str, int]:
+    stats = await r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
+
+
+async def test_longest_prefix_is_one_round_trip_for_many_workers(redis_server):
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="t:", timeout_s=0.5)
+    side = aioredis.Redis.from_url(redis_server.url)
+    try:
+        long = chain_hashes(list(range(16 * 512)), 16)  # an 8k-token prompt: 512 blocks
+        for n, w in enumerate(["w0", "w1", "w2", "w3", "w4", "w5"]):
+            await index.publish(w, long[: 64 * (n + 1)])
+        assert await index.longest_prefix(long) == {f"w{n}": 64 * (n + 1) for n in range(6)}
+        before = await command_calls(side)
+        await index.longest_prefix(long)
+        after = await command_calls(side)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # One EVALSHA from the client (INFO is the side client's read); the block reads ran inside it.
+        moved = {k: v for k, v in delta.items() if v and k not in ("zmscore", "smembers", "get", "info", "time")}
+        assert moved == {"evalsha": 1}
+        # ZMSCORE chunks of 16, 64, 256, 1024 blocks, each worker's until its first miss (64 .. 384 blocks held)
+        assert delta["zmscore"] == 2 + 3 + 3 + 3 + 3 + 4
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            await index.longest_prefix(long)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        print(f"longest_prefix 512 blocks x 6 workers: median {times[25] * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms")
+    finally:
+        await side.aclose()
+        await index.close()
+
+
+async def test_gateways_share_one_view(redis_server):
+    a = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="t:", timeout_s=0.5)
+    b = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="t:", timeout_s=0.5)
+    other_ns = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="u:", timeout_s=0.5)
+    try:
+        await a.publish("w", H[:3])
+        assert await b.longest_prefix(H) == {"w": 3}
+        assert await other_ns.longest_prefix(H) == {}
+    finally:
+        for idx in (a, b, other_ns):
+            await idx.close()
+
+
+# ---- Redis down, slow, restarted -----------------------------------------------------------------
+
+
+class Recovered:
+    def __init__(self):
+        self.calls = 0
+
+    async def __call__(self):
+        self.calls += 1
+
+
+async def test_redis_stopped_fails_fast_then_refills_after_restart(redis_server):
+    recovered = Recovered()
+    index = RedisPrefixIndex(
+        make_client(redis_server.url, 0.05), namespace="t:", timeout_s=0.05, retry_interval_s=0.3,
+        on_recovered=recovered,
+    )
+    try:
+        await index.publish("w", H)
+        assert await index.longest_prefix(H) == {"w": 8}
+        redis_server.stop()
+        t0 = time.perf_counter()
+        with pytest.raises(IndexUnavailable):
+            await index.longest_prefix(H)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with pytest.raises(IndexUnavailable, match="within the last"):
+            await index.longest_prefix(H)  # circuit open: no network at all
+        second = time.perf_counter() - t0
+        assert first < 0.25 and second < 0.005, (first, second)
+        assert not index.available
+        with pytest.raises(IndexUnavailable):
+            await index.publish("w", H)  # a publisher sees the same error and keeps serving
+        redis_server.start()  # back, empty: no persistence
+        await asyncio.sleep(0.35)
+        assert await index.longest_prefix(H) == {}  # answered again; the entries are gone...
+        await asyncio.sleep(0)  # ...and the refill callback ran (once)
+        assert recovered.calls == 1
+        await index.snapshot("w", {"gpu": H[:6]})  # what a worker does when asked to refill
+        assert await index.longest_prefix(H) == {"w": 6}
+        assert recovered.calls == 1
+    finally:
+        await index.close()
+
+
+async def test_redis_paused_times_out_at_the_configured_timeout(redis_server):
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.05), namespace="t:", timeout_s=0.05, retry_interval_s=0.2)
+    try:
+        await index.publish("w", H)
+        redis_server.pause()  # a Redis that accepts nothing and answers nothing
+        t0 = time.perf_counter()
+        with pytest.raises(IndexUnavailable):
+            await index.longest_prefix(H)
+        assert time.perf_counter() - t0 < 0.2
+        redis_server.resume()
+        await asyncio.sleep(0.25)
+        assert await index.longest_prefix(H) == {"w": 8}  # same Redis, contents kept
+    finally:
+        redis_server.resume()
+        await index.close()
+
+
+async def test_a_restart_between_calls_is_noticed(redis_server):
+    """Redis lost its contents without any call failing (e.g. another client flushed it): refill anyway."""
+    recovered = Recovered()
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.5), namespace="t:", timeout_s=0.5, on_recovered=recovered)
+    side = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await index.publish("w", H)
+        await side.flushall()
+        assert await index.longest_prefix(H) == {}
+        await asyncio.sleep(0)
+        assert recovered.calls == 1
+    finally:
+        await side.aclose()
+        await index.close()
