@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
     finally:
         for proc in reversed(procs):
-            proc.stop()
+            if leftovers := proc.stop():
+                print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)
         signal.signal(signal.SIGTERM, previous)
     return 0
 

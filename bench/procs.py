@@ -1,8 +1,8 @@
 """Processes a benchmark starts: started in their own session, waited on until healthy, and all stopped.
 
 A benchmark that leaves servers behind spoils the next measurement (and the box for everyone), so every
-process is stopped in `finally` — SIGTERM to its process group, then SIGKILL to the group and to any
-descendant that moved to another group (Ray's helpers can).
+process is stopped in `finally` — SIGTERM to it, then SIGKILL to its group and to any descendant that moved
+to another group (Ray's actors do), and what needed the SIGKILL is reported.
 """
 from __future__ import annotations
 
@@ -45,13 +45,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), None if gone."""
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, start time in clock ticks since boot) from /proc/PID/stat; None if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    # the name may hold spaces or ')' itself: fields after the last ')' start at field 3 (state)
+    fields = stat.rsplit(")", 1)[1].split()
+    return stat[stat.find("(") + 1: stat.rfind(")")], fields[0], int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    info = _stat(pid)
+    return info[2] if info else None
 
 
 class Proc:
@@ -67,6 +74,7 @@ class Proc:
                                       stdin=subprocess.DEVNULL, start_new_session=True,
                                       env={**os.environ, **(env or {})})
         self._seen: set[tuple[int, int]] = set()  # (pid, start time): a reused pid is not ours
+        self.leftovers: list[str] = []
 
     def _remember(self) -> None:
         self._seen.update((p, t) for p in descendants(self.popen.pid) if (t := start_time(p)) is not None)
@@ -91,21 +99,27 @@ class Proc:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the group, wait up to grace, then SIGKILL the group and every descendant ever seen."""
+    def stop(self, grace: float = 15.0, settle: float = 5.0) -> list[str]:
+        """Stop it as an operator would, then make sure: returns what had to be killed by force.
+
+        SIGTERM goes to the main process only (as from Ctrl-C or a service manager), so its own shutdown
+        path is what gets exercised; after `grace` for it and `settle` for its children, whatever of its
+        group or of the descendants ever seen still lives gets SIGKILL and is named in the return value.
+        """
         pid = self.popen.pid
         self._remember()
         if self.popen.poll() is None:
-            _signal_group(pid, signal.SIGTERM)
             try:
+                self.popen.send_signal(signal.SIGTERM)
                 self.popen.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
+        deadline = time.monotonic() + settle
+        while self._alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.leftovers = [f"{name}[{p}]" for p, name in self._alive()]
         _signal_group(pid, signal.SIGKILL)
-        self._remember()
-        for child, started in self._seen:
-            if start_time(child) != started:
-                continue  # gone, or the pid now names someone else's process
+        for child, _ in self._alive():
             try:
                 os.kill(child, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -113,6 +127,19 @@ class Proc:
         if self.popen.poll() is None:
             self.popen.wait(timeout=5)
         self._log.close()
+        return self.leftovers
+
+    def _alive(self) -> list[tuple[int, str]]:
+        """(pid, name) of the main process and seen descendants still running (zombies are done)."""
+        if self.popen.poll() is None:
+            self._remember()
+        out = []
+        for child, started in self._seen | {(self.popen.pid, start_time(self.popen.pid))}:
+            info = _stat(child)
+            # a changed start time means the pid now names someone else's process
+            if info and info[2] == started and info[1] != "Z":
+                out.append((child, info[0]))
+        return out
 
     def __enter__(self) -> Proc:
         return self
