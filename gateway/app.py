@@ -35,6 +35,7 @@ class Gateway:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/pulse/workers", self.workers)
         return app
 
     @web.middleware
@@ -87,6 +88,15 @@ class Gateway:
         workers = {w.worker_id: w.healthy for w in self.pool.workers.values()}
         ok = self.pool.any_healthy()
         return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503)
+
+    async def workers(self, request: web.Request) -> web.Response:
+        """Each worker's address, health and last reported load (what routing sees)."""
+        import msgspec
+
+        rows = [{"worker_id": w.worker_id, "url": w.info.url, "device": w.info.device, "backend": w.info.backend,
+                 "healthy": w.healthy, "inflight": w.inflight, "stats": msgspec.to_builtins(w.stats)}
+                for w in self.pool.workers.values()]
+        return web.json_response({"workers": rows})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -66,12 +66,11 @@ def serve_main(config: PulseConfig) -> int:
     load_model_info(config.model.path)
     load_tokenizer(config.model.path)  # derived once here so workers and gateways read the cache
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-
     ray.init(address=config.server.ray_address, include_dashboard=config.server.ray_dashboard,
              namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     actors: list = []
     try:
         gpus = ray.cluster_resources().get("GPU", 0)

@@ -1,0 +1,66 @@
+"""Stop strings, incremental detokenization, and the Gemma turn format, with the model's real tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.openai_types import ChatRequest, decode, validate_chat
+from gateway.prompt import PromptBuilder
+from workers.protocol.detok import IncrementalDetokenizer, StopMatcher
+from workers.protocol.model import load_model_info, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def builder(tok):
+    info = load_model_info()
+    return PromptBuilder(tok, architecture=info.architecture, bos_token_id=info.bos_token_id, add_bos=info.add_bos,
+                         template=info.chat_template)
+
+
+def feed(matcher: StopMatcher, pieces: list[str]) -> str:
+    return "".join(matcher.push(p) for p in pieces) + matcher.flush()
+
+
+@pytest.mark.parametrize("pieces,stops,want", [
+    (["Hello", " wor", "ld"], ["world"], "Hello "),
+    (["a", "b", "c"], [], "abc"),
+    (["ab", "c<", "/s", "top> tail"], ["</stop>"], "abc"),
+    (["ab", "c<", "x"], ["</stop>"], "abc<x"),
+    (["one END two"], ["END", "one"], ""),
+    (["xx", "E", "N"], ["END"], "xxEN"),
+])
+def test_stop_matcher(pieces, stops, want):
+    m = StopMatcher(stops)
+    assert feed(m, pieces) == want
+
+
+def test_incremental_detok_matches_whole_decode(tok):
+    text = "def héllo():\n    return '日本語 ✓ emoji 🎉'\n"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    d = IncrementalDetokenizer(tok)
+    out = "".join(d.push([i]) for i in ids)
+    assert out == tok.decode(ids)
+
+
+def test_gemma_turn_format(builder, tok):
+    req = decode(b'{"model":"m","messages":[{"role":"system","content":"Be brief."},'
+                 b'{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},'
+                 b'{"role":"user","content":"Bye"}]}', ChatRequest)
+    p = builder.chat(req.messages)
+    assert p.text == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                      "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert p.ids[0] == 2  # BOS
+    # the turn markers are single control tokens, not spelled out
+    assert tok.token_to_id("<start_of_turn>") in p.ids and tok.token_to_id("<end_of_turn>") in p.ids
+
+
+def test_validation_names_parameters():
+    req = decode(b'{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}', ChatRequest)
+    with pytest.raises(APIError) as e:
+        validate_chat(req, max_messages=10, max_stop_strings=4, max_stop_length=10)
+    assert e.value.param == "top_p" and e.value.status == 400
