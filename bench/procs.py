@@ -126,6 +126,9 @@ class Proc:
                 pass
         if self.popen.poll() is None:
             self.popen.wait(timeout=5)
+        deadline = time.monotonic() + 5  # SIGKILL is not instant: return only once they are gone
+        while self._alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._log.close()
         return self.leftovers
 

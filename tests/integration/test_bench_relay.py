@@ -1,6 +1,7 @@
 """The bench upstream, the plain relay and the load generator, end to end on loopback (real processes)."""
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -88,3 +89,23 @@ def test_gateway_overhead_relay_only_run_writes_results_and_leaves_nothing(tmp_p
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
     assert "| relay@1 |" in capsys.readouterr().out
     assert set(descendants(os.getpid())) <= before, "the benchmark left processes running"
+
+
+def _state(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_stop_kills_and_names_what_survives_sigterm(tmp_path):
+    # a child that moved to its own session and ignores SIGTERM: what Ray's actors look like to us
+    proc = Proc("stubborn", ["sh", "-c", "setsid sh -c 'trap \"\" TERM; sleep 60' & sleep 60"], tmp_path)
+    deadline = time.monotonic() + 5
+    while len(descendants(proc.popen.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the outer sleep, the setsid shell and its sleep (a shell may exec the last one)
+    kids = descendants(proc.popen.pid)
+    assert len(kids) >= 2
+    left = proc.stop(grace=2, settle=0.5)
+    assert any("sleep" in name for name in left), left
+    assert all(_state(pid) in ("gone", "Z") for pid in kids), [(pid, _state(pid)) for pid in kids]
