@@ -91,6 +91,16 @@ def test_none_exporter_keeps_ids_but_records_nothing():
     assert provider.exporters == []
 
 
+def test_sdk_disabled_gives_no_op_tracer(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    provider = t.setup_tracing(TelemetryConfig(traces_exporter="memory"), "gateway", set_global=False)
+    assert provider.exporters == []
+    tracer = provider.get_tracer("test")
+    assert isinstance(tracer, trace.NoOpTracer)
+    with tracer.start_as_current_span("x") as span:
+        assert not span.is_recording()
+
+
 def test_extract_accepts_any_header_case_and_garbage():
     provider, exporter = memory_provider()
     with provider.get_tracer("test").start_as_current_span("parent") as parent:
