@@ -93,7 +93,8 @@ class Gateway:
         """Each worker's address, health and last reported load (what routing sees)."""
         import msgspec
 
-        rows = [{"worker_id": w.worker_id, "url": w.info.url, "device": w.info.device, "backend": w.info.backend,
+        rows = [{"worker_id": w.worker_id, "url": w.info.url, "node_id": w.info.node_id, "device": w.info.device,
+                 "backend": w.info.backend,
                  "healthy": w.healthy, "inflight": w.inflight, "stats": msgspec.to_builtins(w.stats)}
                 for w in self.pool.workers.values()]
         return web.json_response({"workers": rows})

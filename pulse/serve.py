@@ -79,8 +79,11 @@ def serve_main(config: PulseConfig) -> int:
         for info in infos:
             print(f"pulse: worker {info.worker_id} ready ({config.workers.backend} on {info.device})", flush=True)
         serve.start(proxy_location="Disabled")
-        app = GatewayIngress.options(num_replicas=config.server.gateway_replicas).bind(
-            config.model_dump_json(), names)
+        options: dict = {"num_replicas": config.server.gateway_replicas}
+        if config.server.ray_address is not None:
+            # in a cluster the gateway stays on the head node, where clients find it
+            options["ray_actor_options"] = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+        app = GatewayIngress.options(**options).bind(config.model_dump_json(), names)
         serve.run(app, name="pulse", route_prefix=None, blocking=False)
         host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
         base = f"http://{host}:{config.server.port}"
