@@ -1,0 +1,263 @@
+"""EngineBackend: the worker's Backend on Pulse's own engine (NumPy on a CPU box, CuPy on a GPU).
+
+The engine steps in one dedicated thread (NumPy and CuPy release the GIL in their heavy calls, so the
+asyncio loop stays responsive). Requests and cancellations reach it through a queue it drains between
+steps; its outputs come back to each request's asyncio.Queue with call_soon_threadsafe. Detokenizing and
+stop strings happen on the asyncio side, per request, so the step loop only deals in token ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from workers.cupy.device import array_module, device_name
+from workers.cupy.engine import Engine, StepOutput, create_engine
+from workers.cupy.weights import load_weights
+from workers.protocol import Backend, BackendError, BackendStats, BlockSink, Chunk, GenerateRequest, Usage
+from workers.protocol.detok import IncrementalDetokenizer, StopMatcher
+from workers.protocol.model import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineBackend(Backend):
+    name = "cupy"
+
+    def __init__(self, config, profile, model, block_sink: BlockSink | None = None, worker_id: str = "w0"):
+        self._config, self._profile, self._info = config, profile, model
+        self._engine_cfg = config.workers.engine
+        self._block_sink, self.worker_id = block_sink, worker_id
+        self._engine: Engine | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._healthy = False
+        self.device = "cpu"
+
+    # --- sizes, from the engine config first and the device profile second -------------------------
+    @property
+    def context_length(self) -> int:
+        limits = [self._info.context_length, self._profile.context_length, self._config.model.context_length]
+        return min(x for x in limits if x)
+
+    @property
+    def block_size(self) -> int:
+        return self._engine_cfg.block_size
+
+    def _sizes(self) -> dict:
+        cfg = self._engine_cfg
+        return {
+            "block_size": cfg.block_size,
+            "num_blocks": cfg.kv_blocks or math.ceil(self._profile.kv_cache_tokens / cfg.block_size),
+            "max_num_seqs": cfg.max_num_seqs or self._profile.max_num_seqs,
+            "max_step_tokens": cfg.max_prefill_tokens,
+            "context_length": self.context_length,
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._engine, self._tokenizer = await asyncio.to_thread(self._build)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
+        self._thread.start()
+        self._healthy = True
+
+    def _build(self):
+        xp = array_module(self._engine_cfg.device)
+        self.device = device_name(xp)
+        weights = load_weights(self._info.path, self._engine_cfg.cache_dir)
+        sizes = self._sizes()
+        log.info("engine on %s: %s", self.device, sizes)
+        engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, ops=_ops_for(xp), **sizes)
+        return engine, load_tokenizer(self._info.path)
+
+    async def close(self) -> None:
+        thread, self._thread = self._thread, None
+        self._healthy = False
+        if thread is not None:
+            self._inbox.put((_STOP, None))
+            await asyncio.to_thread(thread.join)
+        for q in list(self._streams.values()):
+            q.put_nowait(BackendError("the engine was closed", 503))
+        self._engine = None
+
+    async def health(self) -> bool:
+        return self._healthy and self._thread is not None and self._thread.is_alive()
+
+    async def cancel(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> BackendStats:
+        eng = self._engine
+        if eng is None:
+            return BackendStats(healthy=False, block_size=self.block_size)
+        gen, prefill = eng.rates()
+        return BackendStats(
+            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
+            slots=eng.scheduler.max_num_seqs, kv_blocks_total=eng.blocks.num_blocks,
+            kv_blocks_used=eng.blocks.num_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
+            prefill_tokens_per_s=prefill, preemptions=eng.scheduler.preemptions, healthy=self._healthy,
+        )
+
+    # --- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self._engine
+        while True:
+            if not self._drain_inbox(block=not eng.has_work()):
+                return
+            if not eng.has_work():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as exc:  # a failed step fails its requests, not the worker process
+                log.exception("engine step failed")
+                self._fail_all(eng, f"engine step failed: {exc}")
+                continue
+            for out in outputs:
+                self._post(out.request_id, out)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = item
+            if kind is _STOP:
+                return False
+            if kind == "add":
+                try:
+                    self._engine.add(arg)
+                except ValueError as exc:
+                    self._post(arg.request_id, BackendError(str(exc), 400, "invalid_request_error"))
+            elif kind == "abort":
+                out = self._engine.abort(arg)
+                if out is not None:
+                    self._post(arg, out)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _fail_all(self, eng: Engine, message: str) -> None:
+        for rid in list(eng.seqs):
+            eng.abort(rid, "error")
+            self._post(rid, RuntimeError(message))
+
+    def _post(self, request_id: str, item) -> None:
+        def deliver():
+            q = self._streams.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
+
+        self._loop.call_soon_threadsafe(deliver)
+
+    # --- one request -------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        if self._engine is None or not self._healthy:
+            raise BackendError("the engine is not running", 503)
+        if request.max_tokens < 1:
+            raise BackendError("max_tokens must be at least 1", 400, "invalid_request_error")
+        if request.request_id in self._streams:
+            raise BackendError(f"request id {request.request_id!r} is already running", 400,
+                               "invalid_request_error")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = q
+        self._inbox.put(("add", request))
+        done = False
+        try:
+            async for chunk in _ChunkStream(request, q, self._tokenizer, self._inbox).chunks():
+                done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not done:  # the consumer left early (client gone): free the slot and its KV blocks
+                self._inbox.put(("abort", request.request_id))
+
+
+class _ChunkStream:
+    """Engine outputs of one request -> Chunks: detokenized, stop strings cut, several tokens coalesced."""
+
+    def __init__(self, request: GenerateRequest, q: asyncio.Queue, tokenizer, inbox: queue.SimpleQueue):
+        self.request, self.q, self.inbox = request, q, inbox
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids)
+        self.stop = StopMatcher(request.stop)
+        self.started = False
+        self.pending_ids: list[int] = []
+        self.pending_lp: list = []
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        while True:
+            items = [await self.q.get()]
+            while not self.q.empty():  # coalesce what piled up while the consumer was busy
+                items.append(self.q.get_nowait())
+            text, last = "", None
+            for item in items:
+                if isinstance(item, BaseException):
+                    if not self.started and isinstance(item, BackendError):
+                        raise item
+                    yield Chunk(finish_reason="error", error=str(item), usage=self._usage(last))
+                    return
+                last = item
+                text += self._take(item)
+                if self.stop.stopped or item.finish_reason:
+                    break
+            final = self._final_reason(last)
+            if final:
+                if final != "stop" or not self.stop.stopped:
+                    text += self.stop.flush()
+                yield self._chunk(text, final, self._usage(last))
+                return
+            if text:
+                yield self._chunk(text)
+
+    def _take(self, out: StepOutput) -> str:
+        self.pending_ids += out.token_ids
+        if out.logprobs:
+            self.pending_lp += out.logprobs
+        return self.stop.push(self.detok.push(out.token_ids)) if out.token_ids else ""
+
+    def _final_reason(self, out: StepOutput | None) -> str | None:
+        if self.stop.stopped:
+            if out is not None and not out.finish_reason:
+                self.inbox.put(("abort", self.request.request_id))
+            return "stop"
+        return out.finish_reason if out is not None else None
+
+    def _chunk(self, text: str, finish_reason=None, usage=None) -> Chunk:
+        self.started = True
+        lp = self.pending_lp if self.request.logprobs is not None else None
+        chunk = Chunk(text=text, token_ids=self.pending_ids, logprobs=lp, finish_reason=finish_reason, usage=usage)
+        self.pending_ids, self.pending_lp = [], []
+        return chunk
+
+    def _usage(self, out: StepOutput | None) -> Usage:
+        if out is None:
+            return Usage(prompt_tokens=len(self.request.prompt_ids))
+        return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                     cached_tokens=out.cached_tokens)
+
+
+def _ops_for(xp):
+    """The compute primitives for `xp`: GPU kernels where workers/cupy/gpu provides them, else the xp ops."""
+    from workers.cupy.ops import Ops
+
+    if xp is np:
+        return Ops(xp)
+    try:
+        from workers.cupy.gpu import gpu_ops
+    except ImportError:
+        return Ops(xp)
+    return gpu_ops(xp)

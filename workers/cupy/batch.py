@@ -1,0 +1,65 @@
+"""The flattened inputs of one engine step (the varlen layout paged-attention kernels expect).
+
+Every scheduled sequence contributes a run of query tokens (a prefill chunk, one decode token, or later
+K+1 positions to verify drafts); the runs are concatenated. Host (NumPy) copies of the attention metadata
+stay for the NumPy ops and for kernel launch sizes; `xp` copies go to the device once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.cupy.sequence import Sequence
+
+
+@dataclass
+class AttentionMeta:
+    query_start: np.ndarray  # (B+1,) int32: sequence b's queries are rows query_start[b]:query_start[b+1]
+    seq_lens: np.ndarray  # (B,) int32: context length after this step (its own new tokens included)
+    block_tables: np.ndarray  # (B, max_blocks) int32, padded with 0
+    block_size: int
+
+
+@dataclass
+class StepBatch:
+    token_ids: object  # (T,) int32 on the device
+    positions: object  # (T,) int32 on the device
+    slot_mapping: object  # (T,) int64 on the device: where each token's K/V goes
+    logits_indices: object  # (S,) int64 on the device: rows whose next-token logits are wanted
+    meta: AttentionMeta
+    sample_rows: list[int]  # for each logits row, the index of its sequence in the batch
+    num_tokens: int
+
+
+def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp) -> StepBatch:
+    """Inputs for running `n` new tokens of each (sequence, n); a sequence whose chunk reaches the end of
+    its known tokens gets a logits row (its next token is sampled)."""
+    tokens, positions, slots, logits_rows, sample_rows = [], [], [], [], []
+    query_start = np.zeros(len(scheduled) + 1, np.int32)
+    seq_lens = np.zeros(len(scheduled), np.int32)
+    max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+    tables = np.zeros((len(scheduled), max_blocks), np.int32)
+    for b, (seq, n) in enumerate(scheduled):
+        start = seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int64)
+        table = np.asarray(seq.block_table, np.int64)
+        tokens.append(np.asarray(seq.token_ids[start : start + n], np.int32))
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_start[b + 1] = query_start[b] + n
+        seq_lens[b] = start + n
+        tables[b, : table.size] = table
+        if start + n == len(seq.token_ids):
+            logits_rows.append(int(query_start[b + 1]) - 1)
+            sample_rows.append(b)
+    meta = AttentionMeta(query_start, seq_lens, tables, block_size)
+    return StepBatch(
+        token_ids=xp.asarray(np.concatenate(tokens)),
+        positions=xp.asarray(np.concatenate(positions).astype(np.int32)),
+        slot_mapping=xp.asarray(np.concatenate(slots)),
+        logits_indices=xp.asarray(np.asarray(logits_rows, np.int64)),
+        meta=meta,
+        sample_rows=sample_rows,
+        num_tokens=int(query_start[-1]),
+    )

@@ -1,0 +1,149 @@
+"""The engine's step loop: schedule, build the step's inputs, run the model, sample, update sequences.
+
+Single-threaded by design: backend.py runs `step()` in its own thread and is the only caller. Token-level
+stopping (EOS / stop token ids, max tokens, context length) happens here; stop strings are text, so the
+backend matches them after detokenizing and aborts the sequence.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.cupy.batch import build_batch
+from workers.cupy.kv_cache import BlockManager, KVStorage
+from workers.cupy.sampler import Sampler, SampleRow, uniform_for
+from workers.cupy.scheduler import Scheduler
+from workers.cupy.sequence import Sequence, SeqStatus
+from workers.protocol import GenerateRequest, TokenLogprob
+
+RATE_WINDOW_S = 5.0  # tokens/s in stats are averaged over this many recent seconds
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model, kv: KVStorage, blocks: BlockManager, scheduler: Scheduler, sampler: Sampler,
+                 eos_token_ids: tuple[int, ...], context_length: int, vocab_size: int, seed: int | None = None):
+        self.model, self.kv, self.blocks, self.scheduler, self.sampler = model, kv, blocks, scheduler, sampler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_length, self.vocab_size = context_length, vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.seqs: dict[str, Sequence] = {}
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Longest sequence (prompt + output) the engine can hold: context length and the whole KV cache."""
+        return min(self.context_length, self.blocks.num_blocks * self.blocks.block_size)
+
+    def add(self, request: GenerateRequest) -> Sequence:
+        """Queue a request; ValueError (a client error) when it cannot be served at all."""
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if request.request_id in self.seqs:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError("prompt token id out of the vocabulary's range")
+        room = self.capacity_tokens - len(prompt)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this engine holds at most "
+                             f"{self.capacity_tokens - 1} prompt tokens")
+        stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
+        seq = Sequence(
+            request_id=request.request_id, token_ids=prompt, max_tokens=min(request.max_tokens, room),
+            sampling=request.sampling, stop_token_ids=frozenset(stop_ids), logprobs=request.logprobs,
+        )
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> StepOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return None
+        self.scheduler.finish(seq, reason)
+        self.blocks.flush_events()
+        return self._output(seq, [], None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            self.blocks.flush_events()
+            return []
+        batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
+        logits = self.model.forward(batch, self.kv)
+        for seq, n in scheduled:
+            seq.num_computed += n
+            self.blocks.commit_full_blocks(seq)
+        outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
+        self.blocks.flush_events()
+        now = time.monotonic()
+        self._recent.append((now, len(outputs), batch.num_tokens - len(outputs)))
+        while now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+        return outputs
+
+    def _sample(self, logits, seqs: list[Sequence]) -> list[StepOutput]:
+        rows = [SampleRow(s.sampling, uniform_for(s.sampling.seed, s.num_output, self.rng), s.logprobs)
+                for s in seqs]
+        tokens, logprobs = self.sampler.sample(logits, rows)
+        outputs = []
+        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
+            seq.token_ids.append(token)
+            reason = None
+            if token in seq.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output >= seq.max_tokens:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], lp))
+        return outputs
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id, token_ids=tokens, logprobs=logprobs, finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(seq.num_cached, 0),
+            completion_tokens=seq.num_output,
+        )
+
+    def rates(self) -> tuple[float, float]:
+        """Generated and prefilled tokens per second over the last RATE_WINDOW_S (safe from any thread)."""
+        now = time.monotonic()
+        recent = [r for r in list(self._recent) if now - r[0] <= RATE_WINDOW_S]
+        if not recent:
+            return 0.0, 0.0
+        span = max(now - recent[0][0], 1.0)
+        return sum(r[1] for r in recent) / span, sum(r[2] for r in recent) / span
+
+
+def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, max_num_seqs: int,
+                  max_step_tokens: int, context_length: int, block_sink=None, ops=None,
+                  dtype: str = "float32", seed: int | None = None) -> Engine:
+    """An engine for the model `info` describes, with its weights (host arrays by GGUF name) on `xp`."""
+    from workers.cupy.models import build_model
+    from workers.cupy.ops import Ops
+
+    model = build_model(info, weights, ops or Ops(xp), dtype)
+    kv = model.kv_storage(num_blocks, block_size, dtype)
+    blocks = BlockManager(num_blocks, block_size, block_sink)
+    scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
+    return Engine(model, kv, blocks, scheduler, Sampler(xp), info.eos_token_ids, context_length,
+                  info.vocab_size, seed)

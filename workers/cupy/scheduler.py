@@ -1,0 +1,97 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step has a token budget (chunked prefill). Running sequences go first, oldest first: a decoding
+sequence costs one token, a sequence still in prefill takes the next chunk the budget allows. Then
+waiting sequences join, attaching their cached prefix blocks, while there are free slots, budget and KV
+blocks. When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are released (full ones stay in the prefix cache) and it goes back to the front
+of the queue to be recomputed later, tokens generated so far included, so nothing is lost.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from workers.cupy.kv_cache import BlockManager
+from workers.cupy.sequence import Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max(max_step_tokens, max_num_seqs)  # room for every decode token
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self._preempted_now = 0  # preemptions in the step being scheduled: then nobody new is admitted
+        self._arrivals = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status, seq.arrival = SeqStatus.WAITING, next(self._arrivals)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, number of new tokens); blocks for them are allocated."""
+        budget, scheduled = self.max_step_tokens, []
+        # oldest first, so every preemption victim (the newest) is one not yet scheduled in this step
+        self.running.sort(key=lambda s: s.arrival)
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or out of budget until next step
+            n = min(seq.num_remaining, budget)
+            if not self._make_room(seq, n):
+                continue
+            self.blocks.allocate(seq, n)
+            scheduled.append((seq, n))
+            budget -= n
+        if self._preempted_now == 0:
+            self._admit(budget, scheduled)
+        self._preempted_now = 0
+        return scheduled
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Preempt newer sequences until `seq` can have blocks for `n` tokens; False if `seq` itself went."""
+        while not self.blocks.can_allocate(seq, n):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, budget: int, scheduled: list) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.blocks.match_prefix(seq)
+            n = min(seq.num_remaining, budget)
+            if not self.blocks.can_allocate(seq, n):
+                self.blocks.free(seq)  # give the prefix blocks back; they stay cached
+                break
+            self.waiting.popleft()
+            if seq.num_cached < 0:
+                seq.num_cached = cached
+            self.blocks.allocate(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        self._preempted_now += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out (finished, cancelled or failed) and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -1,0 +1,44 @@
+"""One request's state inside the engine: its tokens, how many have KV in the cache, its blocks."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.protocol import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens; a preempted sequence recomputes all of them
+    max_tokens: int  # generated tokens allowed (already capped by the context length)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    num_prompt_tokens: int = 0
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_cached: int = -1  # prompt tokens served from the prefix cache at first admission; -1: not yet
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0  # admission order; preemption takes the newest first
+
+    def __post_init__(self):
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose K/V still has to be computed (prefill left, or the last sampled token)."""
+        return len(self.token_ids) - self.num_computed
