@@ -14,7 +14,6 @@ compared with the relay's in the same repeat. Goal (issue 2): Pulse adds <= 2 ms
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import signal
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import protocol
+from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import describe, machine_info
 from bench.procs import Proc, free_port, python_module
@@ -88,10 +87,10 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
     """Start upstream, relay and (unless --no-pulse) Pulse; returns {target: (base url, model id)}."""
     up_port, relay_port = free_port(), free_port()
     up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port),
-                                        "--tokens", str(args.tokens)), log_dir)
+                                        "--tokens", str(args.tokens), "--loop", args.loop), log_dir)
     procs.append(up)
     relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
-                                        "--upstream", f"http://127.0.0.1:{up_port}"), log_dir)
+                                        "--upstream", f"http://127.0.0.1:{up_port}", "--loop", args.loop), log_dir)
     procs.append(relay)
     targets = {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
     if not args.no_pulse:
@@ -126,7 +125,7 @@ def report(args, records, targets, machine, started) -> dict:
     # rows by client count, then direct / relay / pulse, whatever order the last repeat ran in
     order = [config_name(t, c) for c in args.clients for t in targets]
     summary = {cfg: measured[cfg] for cfg in order if cfg in measured}
-    doc = protocol.result_document("gateway_overhead", records, summary, vars(args) | {"targets": targets},
+    doc = protocol.result_document("gateway_overhead", records, summary, vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)},
                                    started, machine)
     doc["verdict"] = verdict(summary, args.clients)
     table = protocol.markdown_table(summary, TABLE_METRICS)
@@ -150,6 +149,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --host 127.0.0.1 --port {port}")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--loop", choices=loops.CHOICES, default="auto",
+                    help="event loop of the relay, upstream and load generator (auto: uvloop if installed, as Ray)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     return ap.parse_args(argv)
 
@@ -166,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: list[Proc] = []
     try:
         targets = start_targets(args, log_dir, procs)
-        records = asyncio.run(protocol.run(measures(args, targets), args.repeats, args.warmup, not args.quiet))
+        records = loops.run(protocol.run(measures(args, targets), args.repeats, args.warmup, not args.quiet),
+                            args.loop)
         report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
     finally:
         for proc in reversed(procs):

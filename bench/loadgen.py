@@ -29,6 +29,8 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from bench import loops
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -240,7 +242,7 @@ def aggregate(results: Sequence[RequestResult], wall: float) -> dict:
     return {"metrics": flat, "status_counts": dict(statuses), "error_kinds": dict(errors)}
 
 
-def _parse(argv: Sequence[str] | None) -> LoadSpec:
+def _parse(argv: Sequence[str] | None) -> tuple[str, LoadSpec]:
     ap = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
@@ -255,13 +257,15 @@ def _parse(argv: Sequence[str] | None) -> LoadSpec:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--allow-remote", action="store_true")
-    return LoadSpec(**vars(ap.parse_args(argv)))
+    ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="event loop (auto: uvloop if installed)")
+    args = vars(ap.parse_args(argv))
+    return args.pop("loop"), LoadSpec(**args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    spec = _parse(argv)
+    loop, spec = _parse(argv)
     try:
-        out = asyncio.run(run_load(spec))
+        out = loops.run(run_load(spec), loop)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
+from bench import loops
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -136,10 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in (up, rel):
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, required=True)
+        p.add_argument("--loop", choices=loops.CHOICES, default="auto", help="event loop (auto: uvloop if installed)")
     args = ap.parse_args(argv)
     app = upstream_app(args.tokens, args.rate) if args.role == "upstream" else relay_app(args.upstream)
     # access_log=None: logging every request would be most of what a relay this small costs
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=loops.new_loop(args.loop))
     return 0
 
 

@@ -114,3 +114,15 @@ def test_machine_info_reads_this_machine():
     assert info["cores"] >= 1 and len(info["loadavg"]) == 3 and isinstance(info["gpus"], list)
     assert cpu_model("processor\t: 0\nmodel name\t: Some CPU @ 2GHz\n") == "Some CPU @ 2GHz"
     assert cpu_model("CPU part\t: 0xd4f\n") == "0xd4f"
+
+
+def test_loops_choose_uvloop_like_ray_unless_asked_for_asyncio():
+    import asyncio
+
+    from bench import loops
+
+    pytest.importorskip("uvloop")
+    assert loops.resolve("auto") == "uvloop" and loops.resolve("asyncio") == "asyncio"
+    assert loops.run(asyncio.sleep(0, result=7), "uvloop") == 7
+    with pytest.raises(ValueError):
+        loops.new_loop("trio")
