@@ -66,7 +66,9 @@ def serve_main(config: PulseConfig) -> int:
     load_model_info(config.model.path)
     load_tokenizer(config.model.path)  # derived once here so workers and gateways read the cache
 
-    ray.init(address=config.server.ray_address, include_dashboard=config.server.ray_dashboard,
+    # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
+    # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance
+    ray.init(address=config.server.ray_address or "local", include_dashboard=config.server.ray_dashboard,
              namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
