@@ -40,6 +40,7 @@ class Proc:
     pid: int
     name: str
     cpu_percent: float  # of one core, over the sampling window
+    cmd: str = ""  # command line, shortened: says which python is which
 
 
 @dataclass
@@ -133,7 +134,7 @@ def check_processes(r: Readings) -> Finding:
     heavy = [p for p in r.top_processes if p.cpu_percent >= HEAVY_PROCESS_CPU]
     if not heavy:
         return Finding("busy processes", True, "none above %g%% of a core" % HEAVY_PROCESS_CPU)
-    value = ", ".join(f"{p.name}[{p.pid}] {p.cpu_percent:.0f}%" for p in heavy[:5])
+    value = ", ".join(f"{p.cmd or p.name}[{p.pid}] {p.cpu_percent:.0f}%" for p in heavy[:5])
     return Finding("busy processes", False, value, "they compete with the benchmark for the CPUs")
 
 
@@ -267,8 +268,18 @@ def take_readings(sample_s: float = 1.0) -> Readings:
         psi_memory_full_avg10=psi.get("full"),
         governors=_governors(),
         gpu_processes=_gpu_processes(),
-        top_processes=cpu_percent(before, after, t1 - t0, hz, exclude=_ancestors(os.getpid()))[:10],
+        top_processes=[_with_cmd(p) for p in cpu_percent(before, after, t1 - t0, hz,
+                                                        exclude=_ancestors(os.getpid()))[:10]],
     )
+
+
+def _with_cmd(p: Proc, width: int = 48) -> Proc:
+    raw = _read(f"/proc/{p.pid}/cmdline") or ""
+    args = [a for a in raw.split("\0") if a]
+    if args:
+        args[0] = os.path.basename(args[0])
+        p.cmd = " ".join(args)[:width]
+    return p
 
 
 def doctor_main(argv: Sequence[str] | None = None) -> int:
