@@ -129,7 +129,7 @@ def report(args, records, targets, machine, started) -> dict:
                                    started, machine)
     doc["verdict"] = verdict(summary, args.clients)
     table = protocol.markdown_table(summary, TABLE_METRICS)
-    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out)
+    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
     print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n")
     print("\n".join(doc["verdict"]))
     print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
@@ -139,8 +139,6 @@ def report(args, records, targets, machine, started) -> dict:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.gateway_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--repeats", type=int, default=protocol.MIN_REPEATS)
-    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--duration", type=float, default=3.0, help="seconds of load per run")
     ap.add_argument("--max-requests", type=int, default=None, help="cap on requests per run")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per response (match workers.loadtest.tokens)")
@@ -148,10 +146,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-pulse", action="store_true", help="measure the relay against direct only")
     ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --host 127.0.0.1 --port {port}")
     ap.add_argument("--start-timeout", type=float, default=240.0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto",
                     help="event loop of the relay, upstream and load generator (auto: uvloop if installed, as Ray)")
-    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    protocol.add_arguments(ap, RESULTS)
     return ap.parse_args(argv)
 
 

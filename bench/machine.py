@@ -67,11 +67,12 @@ def machine_info() -> dict:
 
 
 def describe(info: dict) -> str:
-    """One line for BENCHMARKS.md."""
-    gpu = "; ".join(info["gpus"]) or "no GPU"
-    return (f"{info['cpu']}, {info['cores']} cores, {info['mem_total_gib']} GiB, {gpu}; "
-            f"load {info['loadavg'][0]:.2f} at start; commit {str(info['git_commit'])[:10]}"
-            + (" (dirty)" if info["git_dirty"] else "") + _doctor_note(info.get("doctor")))
+    """One line for BENCHMARKS.md (missing readings show as '?')."""
+    gpu = "; ".join(info.get("gpus") or []) or "no GPU"
+    load = f"{info['loadavg'][0]:.2f}" if info.get("loadavg") else "?"
+    return (f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores, {info.get('mem_total_gib', '?')} GiB, {gpu}; "
+            f"load {load} at start; commit {str(info.get('git_commit'))[:10]}"
+            + (" (dirty)" if info.get("git_dirty") else "") + _doctor_note(info.get("doctor")))
 
 
 def _doctor_note(found: list[dict] | None) -> str:

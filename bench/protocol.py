@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_info
+from bench.machine import describe, machine_info
 
 MIN_REPEATS = 5
 
@@ -113,6 +113,14 @@ async def run(
     return records
 
 
+def add_arguments(ap, out_dir: Path) -> None:
+    """The protocol's knobs, the same in every benchmark's command line."""
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"measured repeats (>= {MIN_REPEATS})")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up repeats, discarded")
+    ap.add_argument("--out", type=Path, default=out_dir, help="where JSON, table and plot go")
+    ap.add_argument("--quiet", action="store_true", help="no progress line")
+
+
 def _progress(total: int, enabled: bool):
     # tqdm draws a status line on stderr; disabled it is a no-op with the same methods
     from tqdm import tqdm
@@ -201,13 +209,18 @@ def _count(records: Sequence[Mapping[str, Any]], phase: str) -> int:
     return len({r["repeat"] for r in records if r["phase"] == phase})
 
 
-def write_result(doc: Mapping[str, Any], table: str, metrics: Sequence[str], out_dir: Path) -> dict[str, Path]:
-    """Write <name>-<utc stamp>.json/.md/.png under out_dir; returns their paths."""
+def write_result(doc: Mapping[str, Any], table: str, metrics: Sequence[str], out_dir: Path,
+                 notes: str = "") -> dict[str, Path]:
+    """Write <name>-<utc stamp>.json/.md/.png under out_dir; returns their paths.
+
+    The .md holds what BENCHMARKS.md needs: the command, the machine, the table, and `notes` (e.g. a verdict).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(doc["finished"]))
     base = out_dir / f"{doc['benchmark']}-{stamp}"
     paths = {"json": base.with_suffix(".json"), "md": base.with_suffix(".md"), "png": base.with_suffix(".png")}
     paths["json"].write_text(json.dumps(doc, indent=1, default=str))
-    paths["md"].write_text(f"`{doc['command']}`\n\n{table}\n")
+    paths["md"].write_text(f"`{doc['command']}`\n\nMachine: {describe(doc['machine'])}\n\n{table}\n"
+                           + (f"\n{notes}\n" if notes else ""))
     plot(doc["summary"], metrics, paths["png"], title=doc["benchmark"])
     return paths
