@@ -37,6 +37,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's (sequence, number of new tokens); blocks for them are allocated."""
         budget, scheduled = self.max_step_tokens, []
+        self._preempted_now = 0
         # oldest first, so every preemption victim (the newest) is one not yet scheduled in this step
         self.running.sort(key=lambda s: s.arrival)
         for seq in list(self.running):
@@ -48,9 +49,8 @@ class Scheduler:
             self.blocks.allocate(seq, n)
             scheduled.append((seq, n))
             budget -= n
-        if self._preempted_now == 0:
+        if self._preempted_now == 0:  # admitting now would only take blocks back from the preempted
             self._admit(budget, scheduled)
-        self._preempted_now = 0
         return scheduled
 
     def _make_room(self, seq: Sequence, n: int) -> bool:

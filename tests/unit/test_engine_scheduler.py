@@ -1,0 +1,71 @@
+"""Continuous batching without a model: the scheduler's choices, with the engine's bookkeeping simulated."""
+from workers.cupy.kv_cache import BlockManager
+from workers.cupy.scheduler import Scheduler
+from workers.cupy.sequence import Sequence, SeqStatus
+
+BS = 4
+
+
+def step(sched: Scheduler, next_token=lambda seq: 1000 + seq.num_output):
+    """Schedule, then do what the engine does after a forward pass: advance, register, sample, finish."""
+    scheduled = sched.schedule()
+    for seq, n in scheduled:
+        seq.num_computed += n
+        sched.blocks.commit_full_blocks(seq)
+        if seq.num_computed == len(seq.token_ids):
+            seq.token_ids.append(next_token(seq))
+            if seq.num_output >= seq.max_tokens:
+                sched.finish(seq, "length")
+    return [(s.request_id, n) for s, n in scheduled]
+
+
+def test_prefill_is_chunked_under_the_token_budget_and_decodes_share_the_step():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_step_tokens=8)
+    a = Sequence("a", list(range(3)), max_tokens=5)
+    sched.add(a)
+    assert step(sched) == [("a", 3)]
+    sched.add(Sequence("b", list(range(100, 120)), max_tokens=2))
+    assert step(sched) == [("a", 1), ("b", 7)]  # a decodes; b prefills with what is left of the budget
+    assert step(sched) == [("a", 1), ("b", 7)]
+    assert step(sched) == [("a", 1), ("b", 6)]  # b's last chunk: it samples its first token
+    assert step(sched) == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_holds_new_requests_back_until_a_slot_frees():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=2, max_step_tokens=64)
+    for i in range(3):
+        sched.add(Sequence(f"s{i}", [i] * 3, max_tokens=2))
+    assert step(sched) == [("s0", 3), ("s1", 3)]
+    assert len(sched.waiting) == 1
+    assert step(sched) == [("s0", 1), ("s1", 1)]  # both finish here
+    assert step(sched) == [("s2", 3)]
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_it_resumes_with_its_tokens():
+    sched = Scheduler(BlockManager(4, BS), max_num_seqs=4, max_step_tokens=64)
+    old, new = Sequence("old", [1] * 4, max_tokens=6), Sequence("new", [2] * 4, max_tokens=6)
+    sched.add(old), sched.add(new)
+    step(sched)  # one block each for the 4 prompt tokens
+    for _ in range(4):  # positions 4..7 fill a second block each: the cache is full
+        step(sched)
+    assert sched.preemptions == 0 and sched.blocks.num_free == 0
+    step(sched)  # both need a third block and none is free: the newest goes back to the queue
+    assert sched.preemptions == 1 and new.status is SeqStatus.WAITING and new.num_computed == 0
+    generated_before = list(new.token_ids)
+    while old.status is not SeqStatus.FINISHED:
+        step(sched)
+    while new.status is not SeqStatus.FINISHED:
+        step(sched)
+    assert new.token_ids[: len(generated_before)] == generated_before  # nothing it had generated was lost
+    assert new.num_output == 6 and old.num_output == 6
+    assert sched.blocks.num_used == 0
+
+
+def test_a_readmitted_sequence_reuses_its_own_cached_blocks():
+    sched = Scheduler(BlockManager(16, BS), max_num_seqs=4, max_step_tokens=64)
+    s = Sequence("s", list(range(9)), max_tokens=4)
+    sched.add(s)
+    step(sched), step(sched)
+    sched.preempt(s)
+    assert step(sched) == [("s", 3)]  # 8 of its 11 tokens come back from the prefix cache
+    assert s.num_cached == 0  # reported cached tokens are those of the first admission
