@@ -14,8 +14,10 @@ Contract (tests/integration/test_redis_index.py runs it against both implementat
 - `longest_prefix(hashes, tiers=None) -> {worker_id: matched_blocks}`: for each worker, how many
   leading blocks of `hashes` it holds without a gap (in any of `tiers`; None: any tier). Workers with
   no match are absent. One round trip to the store.
-- Expiry is a safety net behind explicit evictions: an entry lapses `ttl_s` after its last publish or
-  snapshot, so a lost eviction event cannot misroute requests forever.
+- Expiry is a safety net behind explicit evictions, per worker: a worker's entries lapse `ttl_s` after
+  its last publish, evict or snapshot, so a worker that died silently stops attracting requests; a
+  single eviction lost while the store was away is repaired by the snapshot `on_recovered` asks for
+  (and by the worker's periodic snapshot).
 - Store failures raise `IndexUnavailable` quickly (the Redis timeout); the caller routes on load alone.
 - `close()` releases connections; safe to call twice.
 All methods are coroutines; implementations are safe to share among the tasks of one event loop.

@@ -17,28 +17,15 @@ class MemoryPrefixIndex(PrefixIndex):
     def __init__(self, ttl_s: float = 600.0, clock: Callable[[], float] = time.time):
         self.ttl_s = ttl_s
         self._clock = clock
-        self._blocks: dict[int, dict[str, tuple[int, float]]] = {}  # hash -> worker -> (tier mask, expires)
+        self._blocks: dict[int, dict[str, int]] = {}  # hash -> worker -> tier mask
         self._by_worker: dict[str, set[int]] = {}
-        self._publishes_since_sweep = 0
-
-    SWEEP_EVERY = 4096  # publishes between sweeps of lapsed entries (bounds memory when evictions are lost)
+        self._expires: dict[str, float] = {}  # worker -> when its entries lapse
+        self._next_sweep = clock() + ttl_s
 
     async def publish(self, worker_id: str, hashes: Sequence[int], tier: Tier = "gpu") -> None:
-        self._publish(worker_id, hashes, tier_mask(tier), self._clock())
-        self._publishes_since_sweep += 1
-        if self._publishes_since_sweep >= self.SWEEP_EVERY:
-            self.sweep()
-
-    def sweep(self) -> int:
-        """Remove lapsed entries; returns how many went."""
-        now, gone = self._clock(), 0
-        self._publishes_since_sweep = 0
-        for h in list(self._blocks):
-            holders = self._blocks[h]
-            for w in [w for w, (_, exp) in holders.items() if exp <= now]:
-                self._forget(h, holders, w, self._by_worker.get(w))
-                gone += 1
-        return gone
+        self._lapse_if_expired(worker_id)
+        self._publish(worker_id, hashes, tier_mask(tier))
+        self._touch(worker_id)
 
     async def evict(self, worker_id: str, hashes: Sequence[int], tier: Tier | None = None) -> None:
         clear = tier_mask(tier)
@@ -47,24 +34,23 @@ class MemoryPrefixIndex(PrefixIndex):
             holders = self._blocks.get(h)
             if not holders or worker_id not in holders:
                 continue
-            mask, expires = holders[worker_id]
-            mask &= ~clear
+            mask = holders[worker_id] & ~clear
             if mask:
-                holders[worker_id] = (mask, expires)
+                holders[worker_id] = mask
             else:
                 self._forget(h, holders, worker_id, owned)
+        if owned:
+            self._touch(worker_id)
 
     async def drop_worker(self, worker_id: str) -> None:
-        for h in self._by_worker.pop(worker_id, set()):
-            holders = self._blocks.get(h)
-            if holders is not None:
-                self._forget(h, holders, worker_id, None)
+        self._drop_now(worker_id)
 
     async def snapshot(self, worker_id: str, blocks: Mapping[Tier, Sequence[int]]) -> None:
         await self.drop_worker(worker_id)
-        now = self._clock()
         for tier, hashes in blocks.items():
-            self._publish(worker_id, hashes, tier_mask(tier), now)
+            self._publish(worker_id, hashes, tier_mask(tier))
+        if self._by_worker.get(worker_id):
+            self._touch(worker_id)
 
     async def longest_prefix(self, hashes: Sequence[int], tiers: Collection[Tier] | None = None) -> dict[str, int]:
         mask = ALL_TIERS if tiers is None else tier_mask(tiers)
@@ -72,8 +58,13 @@ class MemoryPrefixIndex(PrefixIndex):
         matched: dict[str, int] = {}
         alive: set[str] | None = None  # workers that held every block so far
         for depth, h in enumerate(hashes, start=1):
-            holders = self._blocks.get(h, {})
-            here = {w for w, (m, exp) in holders.items() if m & mask and exp > now and (alive is None or w in alive)}
+            holders = self._blocks.get(h)
+            if not holders:
+                break
+            if alive is None:
+                here = {w for w, m in holders.items() if m & mask and self._expires.get(w, 0.0) > now}
+            else:
+                here = {w for w in alive if holders.get(w, 0) & mask}
             if not here:
                 break
             for w in here:
@@ -81,17 +72,41 @@ class MemoryPrefixIndex(PrefixIndex):
             alive = here
         return matched
 
-    def _publish(self, worker_id: str, hashes: Sequence[int], mask: int, now: float) -> None:
-        expires = now + self.ttl_s
+    def sweep(self) -> list[str]:
+        """Forget workers whose entries lapsed; returns their ids. (Lookups already ignore them.)"""
+        now = self._clock()
+        gone = [w for w, exp in self._expires.items() if exp <= now]
+        for w in gone:
+            self._drop_now(w)
+        return gone
+
+    def _lapse_if_expired(self, worker_id: str) -> None:
+        exp = self._expires.get(worker_id)
+        if exp is not None and exp <= self._clock():
+            self._drop_now(worker_id)  # lapsed entries do not come back with the next publish
+
+    def _drop_now(self, worker_id: str) -> None:
+        self._expires.pop(worker_id, None)
+        for h in self._by_worker.pop(worker_id, set()):
+            holders = self._blocks.get(h)
+            if holders is not None:
+                self._forget(h, holders, worker_id, None)
+
+    def _touch(self, worker_id: str) -> None:
+        now = self._clock()
+        self._expires[worker_id] = now + self.ttl_s
+        if now >= self._next_sweep:  # free silent workers' memory about once per TTL
+            self._next_sweep = now + self.ttl_s
+            self.sweep()
+
+    def _publish(self, worker_id: str, hashes: Sequence[int], mask: int) -> None:
         owned = self._by_worker.setdefault(worker_id, set())
         for h in hashes:
             holders = self._blocks.setdefault(h, {})
-            old_mask, old_exp = holders.get(worker_id, (0, 0.0))
-            keep = old_mask if old_exp > now else 0  # lapsed tiers do not come back with a new one
-            holders[worker_id] = (keep | mask, expires)
+            holders[worker_id] = holders.get(worker_id, 0) | mask
             owned.add(h)
 
-    def _forget(self, h: int, holders: dict[str, tuple[int, float]], worker_id: str, owned: set[int] | None) -> None:
+    def _forget(self, h: int, holders: dict[str, int], worker_id: str, owned: set[int] | None) -> None:
         holders.pop(worker_id, None)
         if not holders:
             del self._blocks[h]
@@ -99,5 +114,5 @@ class MemoryPrefixIndex(PrefixIndex):
             owned.discard(h)
 
     def __len__(self) -> int:
-        """Entries held (block, worker) pairs, lapsed ones included until evicted or dropped."""
+        """(block, worker) entries held, lapsed ones included until swept."""
         return sum(len(v) for v in self._blocks.values())

@@ -1,6 +1,7 @@
 """The Redis PrefixIndex: many gateways and many boxes share one view of who caches what.
 
     index = RedisPrefixIndex.from_config(cfg.redis, ttl_s=cfg.routing.block_ttl_s, on_recovered=refill)
+    await index.connect()                 # optional: loads the scripts within the bulk timeout
     hits = await index.longest_prefix(chain_hashes(prompt_ids, block_size))   # {worker_id: blocks}
     ...
     await index.close()
@@ -12,134 +13,130 @@ after failures, or when it answers with its contents gone (restarted without per
 caller then asks every worker for a `snapshot`.
 
 Layout (NS = RedisConfig.namespace):
-- NS pfx:w:<worker>  sorted set: member = block hash, score = expires_epoch_s * 8 + tier_mask. Per-entry
-                     expiry lives in the score; the key itself expires `ttl_s` after the worker's last
-                     publish, so a worker that vanished without drop_worker frees its memory.
-- NS pfx:workers     set of worker ids with entries
-- NS pfx:epoch       a token written once; when it is missing, Redis lost its contents
-A lookup reads each worker's set with ZMSCORE in growing chunks (16, 64, 256, ... blocks) and stops at
-the first block the worker lacks, so its cost is the matched length, not the prompt length, and the
-per-block work runs in Redis's C code rather than in Lua.
+- NS pfx:w:<worker>:<tier>  set of the block hashes the worker holds in that tier (gpu, host, checkpoint)
+- NS pfx:workers            set of worker ids with entries
+- NS pfx:epoch              a token written once; when it is missing, Redis lost its contents
+Expiry is per worker: its sets expire `ttl_s` after its last publish, evict or snapshot, so a worker
+that died without drop_worker vanishes; single lost evictions are repaired by the snapshot a worker
+sends when `on_recovered` fires (and periodically).
+A lookup asks each worker's sets with SMISMEMBER in growing chunks (16, 64, 256, ... blocks) and stops
+at the worker's first missing block, so the per-block work runs in Redis's C code and costs the
+matched length, not the prompt length. (Measured on the loaded 2-core box: SMISMEMBER ~0.5 µs per
+block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
 Standalone Redis only: scripts touch keys they compute (no Redis Cluster).
 """
 from __future__ import annotations
 
 import secrets
+import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
-from cache.index import ALL_TIERS, IndexUnavailable, PrefixIndex, Tier, tier_mask
+from cache.index import ALL_TIERS, TIER_BITS, IndexUnavailable, PrefixIndex, Tier, tier_mask
 from cache.redis_guard import RedisGuard, make_client
 
-# ARGV[1] = namespace, ARGV[2] = a fresh epoch token (used only if none is stored)
+# ARGV[1] = namespace, ARGV[2] = a fresh epoch token (used only if none is stored).
+# Hash lists travel as one binary argument of 8-byte big-endian hashes: packing 1,000 separate
+# arguments cost the client ~2-3 ms in redis-py, against one struct.pack call.
 _PROLOGUE = """
 local ns = ARGV[1]
-local now = tonumber(redis.call('TIME')[1])
 local epoch = redis.call('GET', ns .. 'pfx:epoch')
 if not epoch then epoch = ARGV[2]; redis.call('SET', ns .. 'pfx:epoch', epoch) end
 local CHUNK = 4000  -- below Lua's unpack limit
-local function live_mask(v)  -- tier bits of an entry score, 0 if absent or lapsed
-  v = tonumber(v)
-  if not v or math.floor(v / 8) <= now then return 0 end
-  return v % 8
-end
-local function scores(key, first, last)  -- ZMSCORE of ARGV[first..last], chunked
-  local out = {}
-  for i = first, last, CHUNK do
-    local part = redis.call('ZMSCORE', key, unpack(ARGV, i, math.min(i + CHUNK - 1, last)))
-    for _, v in ipairs(part) do out[#out + 1] = v end
+local TIERS = {{'gpu', 1}, {'host', 2}, {'checkpoint', 4}}
+local function tier_keys(w, mask)
+  local keys = {}
+  for _, t in ipairs(TIERS) do
+    if bit.band(mask, t[2]) ~= 0 then keys[#keys + 1] = ns .. 'pfx:w:' .. w .. ':' .. t[1] end
   end
+  return keys
+end
+local function split(blob, first, last)  -- hashes first..last (1-based) of a packed blob
+  local out = {}
+  for i = first, last do out[#out + 1] = string.sub(blob, 8 * i - 7, 8 * i) end
   return out
 end
-local function zadd(key, pairs_)  -- pairs_ = {score, member, score, member, ...}
-  for i = 1, #pairs_, CHUNK do
-    redis.call('ZADD', key, unpack(pairs_, i, math.min(i + CHUNK - 1, #pairs_)))
-  end
+local function each_chunk(cmd, key, blob)
+  local n = #blob / 8
+  for i = 1, n, CHUNK do redis.call(cmd, key, unpack(split(blob, i, math.min(i + CHUNK - 1, n)))) end
 end
-local function put(w, mask, ttl, first, last)  -- publish ARGV[first..last] for worker w
-  if last < first then return end
-  local key = ns .. 'pfx:w:' .. w
-  local old = scores(key, first, last)
-  local exp8 = (now + ttl) * 8
-  local add = {}
-  for i = first, last do
-    add[#add + 1] = exp8 + bit.bor(live_mask(old[i - first + 1]), mask)
-    add[#add + 1] = ARGV[i]
+local function touch(w, ttl)  -- the worker is alive: its entries live ttl more seconds
+  local alive = false
+  for _, key in ipairs(tier_keys(w, 7)) do
+    if redis.call('EXPIRE', key, ttl) == 1 then alive = true end
   end
-  zadd(key, add)
+  if alive then redis.call('SADD', ns .. 'pfx:workers', w) else redis.call('SREM', ns .. 'pfx:workers', w) end
 end
-local function touch(w, ttl)
-  local key = ns .. 'pfx:w:' .. w
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', '(' .. ((now + 1) * 8))  -- lapsed entries
-  redis.call('EXPIRE', key, ttl)
-  redis.call('SADD', ns .. 'pfx:workers', w)
+local function drop(w)
+  redis.call('DEL', unpack(tier_keys(w, 7)))
+  redis.call('SREM', ns .. 'pfx:workers', w)
 end
 """
 
-# ARGV[3] = worker, ARGV[4] = mask, ARGV[5] = ttl, ARGV[6..] = hashes
+# ARGV[3] = worker, ARGV[4] = tier name, ARGV[5] = ttl, ARGV[6] = hashes
 _PUBLISH = _PROLOGUE + """
-local w, mask, ttl = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-put(w, mask, ttl, 6, #ARGV)
-touch(w, ttl)
+each_chunk('SADD', ns .. 'pfx:w:' .. ARGV[3] .. ':' .. ARGV[4], ARGV[6])
+touch(ARGV[3], tonumber(ARGV[5]))
 return epoch
 """
 
-# ARGV[3] = worker, ARGV[4] = mask to clear, ARGV[5..] = hashes
+# ARGV[3] = worker, ARGV[4] = tier mask, ARGV[5] = ttl, ARGV[6] = hashes
 _EVICT = _PROLOGUE + """
-local w, clear = ARGV[3], tonumber(ARGV[4])
-local key = ns .. 'pfx:w:' .. w
-if redis.call('EXISTS', key) == 0 then return epoch end
-local old = scores(key, 5, #ARGV)
-local gone, keep = {}, {}
-for i = 5, #ARGV do
-  local v = tonumber(old[i - 4])
-  if v then
-    local m = v % 8
-    m = m - bit.band(m, clear)
-    if m == 0 then gone[#gone + 1] = ARGV[i]
-    else keep[#keep + 1] = math.floor(v / 8) * 8 + m; keep[#keep + 1] = ARGV[i] end
-  end
-end
-for i = 1, #gone, CHUNK do redis.call('ZREM', key, unpack(gone, i, math.min(i + CHUNK - 1, #gone))) end
-zadd(key, keep)
+for _, key in ipairs(tier_keys(ARGV[3], tonumber(ARGV[4]))) do each_chunk('SREM', key, ARGV[6]) end
+touch(ARGV[3], tonumber(ARGV[5]))
 return epoch
 """
 
 # ARGV[3] = worker
 _DROP = _PROLOGUE + """
-redis.call('DEL', ns .. 'pfx:w:' .. ARGV[3])
-redis.call('SREM', ns .. 'pfx:workers', ARGV[3])
+drop(ARGV[3])
 return epoch
 """
 
-# ARGV[3] = worker, ARGV[4] = ttl, then groups: mask, count, hash * count
+# ARGV[3] = worker, ARGV[4] = ttl, then pairs: tier name, hashes
 _SNAPSHOT = _PROLOGUE + """
-local w, ttl = ARGV[3], tonumber(ARGV[4])
-redis.call('DEL', ns .. 'pfx:w:' .. w)
-local i = 5
-while i <= #ARGV do
-  local mask, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  put(w, mask, ttl, i + 2, i + 1 + n)
-  i = i + 2 + n
-end
-if redis.call('EXISTS', ns .. 'pfx:w:' .. w) == 1 then touch(w, ttl)
-else redis.call('SREM', ns .. 'pfx:workers', w) end
+local w = ARGV[3]
+drop(w)
+for i = 5, #ARGV, 2 do each_chunk('SADD', ns .. 'pfx:w:' .. w .. ':' .. ARGV[i], ARGV[i + 1]) end
+touch(w, tonumber(ARGV[4]))
 return epoch
 """
 
-# ARGV[3] = tier mask, ARGV[4..] = hashes in prefix order. Returns {epoch, w1, n1, w2, n2, ...}
+# ARGV[3] = tier mask, ARGV[4] = hashes in prefix order. Returns {epoch, w1, n1, w2, n2, ...}
 _LONGEST = _PROLOGUE + """
-local mask, first, last = tonumber(ARGV[3]), 4, #ARGV
+local mask, blob = tonumber(ARGV[3]), ARGV[4]
+local last = #blob / 8
+local hashes = {}  -- split lazily: only as deep as some worker matches
+local function upto(j)
+  if j > #hashes then
+    for _, h in ipairs(split(blob, #hashes + 1, j)) do hashes[#hashes + 1] = h end
+  end
+end
+local function held(keys, i, j)  -- per block i..j: held in any of keys? (1 or 0)
+  upto(j)
+  local got = redis.call('SMISMEMBER', keys[1], unpack(hashes, i, j))
+  for t = 2, #keys do
+    local more = redis.call('SMISMEMBER', keys[t], unpack(hashes, i, j))
+    for k = 1, #got do if more[k] == 1 then got[k] = 1 end end
+  end
+  return got
+end
 local out = {epoch}
 for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
-  local key = ns .. 'pfx:w:' .. w
-  local matched, i, size, open = 0, first, 16, true
+  local keys = {}
+  for _, key in ipairs(tier_keys(w, mask)) do
+    if redis.call('EXISTS', key) == 1 then keys[#keys + 1] = key end
+  end
+  if #keys == 0 and redis.call('EXISTS', unpack(tier_keys(w, 7))) == 0 then
+    redis.call('SREM', ns .. 'pfx:workers', w)  -- its entries lapsed: stop asking for it
+  end
+  local matched, i, size, open = 0, 1, 16, #keys > 0
   while open and i <= last do
     local j = math.min(i + size - 1, last)
-    local part = redis.call('ZMSCORE', key, unpack(ARGV, i, j))
-    for _, v in ipairs(part) do
-      if bit.band(live_mask(v), mask) == 0 then open = false; break end
+    local got = held(keys, i, j)
+    for k = 1, #got do
+      if got[k] == 0 then open = false; break end
       matched = matched + 1
     end
     i, size = j + 1, math.min(size * 4, CHUNK)
@@ -148,6 +145,10 @@ for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
 end
 return out
 """
+
+
+def _pack(hashes: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(hashes)}Q", *hashes)
 
 
 class RedisPrefixIndex(PrefixIndex):
@@ -192,13 +193,23 @@ class RedisPrefixIndex(PrefixIndex):
     def available(self) -> bool:
         return self.guard.available
 
+    async def connect(self) -> None:
+        """Open a connection and load the scripts, with the bulk timeout (call once at start, so the
+        first request does not pay for it within the short per-call timeout). Raises IndexUnavailable."""
+
+        async def load():
+            for script in self._scripts.values():
+                script.sha = await self._r.script_load(script.script)
+
+        await self.guard.run(load, "connect", self.bulk_timeout_s)
+
     async def publish(self, worker_id: str, hashes: Sequence[int], tier: Tier = "gpu") -> None:
         if hashes:
-            await self._call("publish", [worker_id, tier_mask(tier), self.ttl_s, *hashes])
+            await self._call("publish", [worker_id, _tier_name(tier), self.ttl_s, _pack(hashes)])
 
     async def evict(self, worker_id: str, hashes: Sequence[int], tier: Tier | None = None) -> None:
         if hashes:
-            await self._call("evict", [worker_id, tier_mask(tier), *hashes])
+            await self._call("evict", [worker_id, tier_mask(tier), self.ttl_s, _pack(hashes)])
 
     async def drop_worker(self, worker_id: str) -> None:
         await self._call("drop", [worker_id], self.bulk_timeout_s)
@@ -206,14 +217,14 @@ class RedisPrefixIndex(PrefixIndex):
     async def snapshot(self, worker_id: str, blocks: Mapping[Tier, Sequence[int]]) -> None:
         args: list = [worker_id, self.ttl_s]
         for tier, hashes in blocks.items():
-            args += [tier_mask(tier), len(hashes), *hashes]
+            args += [_tier_name(tier), _pack(hashes)]
         await self._call("snapshot", args, self.bulk_timeout_s)
 
     async def longest_prefix(self, hashes: Sequence[int], tiers: Collection[Tier] | None = None) -> dict[str, int]:
         if not hashes:
             return {}
         mask = ALL_TIERS if tiers is None else tier_mask(tiers)
-        out = await self._call("longest", [mask, *hashes])
+        out = await self._call("longest", [mask, _pack(hashes)])
         return {out[i]: int(out[i + 1]) for i in range(1, len(out), 2)}
 
     async def close(self) -> None:
@@ -231,3 +242,9 @@ class RedisPrefixIndex(PrefixIndex):
         changed = self._epoch is not None and epoch != self._epoch
         self._epoch = epoch
         return changed
+
+
+def _tier_name(tier: str) -> str:
+    if tier not in TIER_BITS:
+        raise ValueError(f"unknown tier {tier!r}; known: {sorted(TIER_BITS)}")
+    return tier
