@@ -1,9 +1,12 @@
 """`pulse keys create|list|revoke`: manage API keys in the store `pulse serve` reads.
 
-    exit_code = keys_main(argv, config)   # argv after "keys", e.g. ["create", "--rpm", "60"]
+    exit_code = keys_main(argv)            # argv after "keys", e.g. ["create", "--rpm", "60"]
+    exit_code = keys_main(argv, config)    # or with a PulseConfig already loaded
 
 The store is the Redis at config.redis.url when set, else the single-box keys file (config.keys.file,
-default ~/.config/pulse/keys.json). `create` prints the new key once, alone on stdout (so
+default ~/.config/pulse/keys.json): the same one `pulse serve` reads with the same settings. Every
+subcommand takes `--config FILE`, `--redis-url URL` and `--keys-file PATH` (PULSE_* environment
+variables apply too, as for `pulse serve`). `create` prints the new key once, alone on stdout (so
 `KEY=$(pulse keys create)` works), and its details on stderr; the key is not stored and cannot be
 shown again. `list` never shows keys or digests. `revoke KEY_ID` exits 1 if no such active key.
 """
@@ -15,29 +18,55 @@ import json
 import sys
 import time
 
+from pydantic import ValidationError
+
 from gateway.keys import ApiKey, KeysUnavailable, open_key_store
+from pulse.config import load_config, merge
 
 
-def _parser(config) -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML config file (the one `pulse serve` uses)")
+    common.add_argument("--redis-url", dest="redis_url", help="act on the keys in this Redis")
+    common.add_argument("--keys-file", dest="keys_file", help="act on this keys file (when no Redis)")
     p = argparse.ArgumentParser(prog="pulse keys", description="Manage Pulse API keys.")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("create", help="create a key and print it once")
+    c = sub.add_parser("create", parents=[common], help="create a key and print it once")
     c.add_argument("--name", default="", help="a label for people (shown by list)")
-    c.add_argument("--rpm", type=int, default=config.keys.default_rpm, help="requests per minute (0: unlimited)")
-    c.add_argument("--tpm", type=int, default=config.keys.default_tpm, help="tokens per minute (0: unlimited)")
-    c.add_argument("--concurrency", type=int, default=config.keys.default_concurrency,
-                   help="requests in flight at once (0: unlimited)")
+    c.add_argument("--rpm", type=int, help="requests per minute (0: unlimited; default keys.default_rpm)")
+    c.add_argument("--tpm", type=int, help="tokens per minute (0: unlimited; default keys.default_tpm)")
+    c.add_argument("--concurrency", type=int,
+                   help="requests in flight at once (0: unlimited; default keys.default_concurrency)")
     c.add_argument("--admin", action="store_true", help="allow admin endpoints (keys, drain, checkpoints)")
-    ls = sub.add_parser("list", help="list keys (never the keys themselves)")
+    ls = sub.add_parser("list", parents=[common], help="list keys (never the keys themselves)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.add_argument("--all", action="store_true", help="include revoked keys")
-    r = sub.add_parser("revoke", help="revoke a key by its id (the 12 hex digits after pk_)")
+    r = sub.add_parser("revoke", parents=[common], help="revoke a key by its id (the 12 hex digits after pk_)")
     r.add_argument("key_id")
     return p
 
 
-def keys_main(argv: list[str], config) -> int:
-    args = _parser(config).parse_args(argv)
+def _config(args, config):
+    """The given config, or one loaded like `pulse serve` loads it; flags override either."""
+    overrides: dict = {}
+    if args.redis_url:
+        overrides["redis"] = {"url": args.redis_url}
+    if args.keys_file:
+        overrides["keys"] = {"file": args.keys_file}
+    if config is None:
+        return load_config(args.config, overrides)
+    if not overrides:
+        return config
+    return type(config).model_validate(merge(config.model_dump(), overrides))
+
+
+def keys_main(argv: list[str], config=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = _config(args, config)
+    except (ValidationError, ValueError, OSError) as e:
+        print(f"pulse keys: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_run(args, config))
     except KeysUnavailable as e:
@@ -52,7 +81,10 @@ async def _run(args, config) -> int:
     store = open_key_store(config)
     try:
         if args.command == "create":
-            plaintext, key = await store.create(args.name, args.rpm, args.tpm, args.concurrency, args.admin)
+            d = config.keys
+            limits = [d.default_rpm if args.rpm is None else args.rpm, d.default_tpm if args.tpm is None else args.tpm,
+                      d.default_concurrency if args.concurrency is None else args.concurrency]
+            plaintext, key = await store.create(args.name, *limits, admin=args.admin)
             print(plaintext)
             print(f"created key {key.key_id} ({_limits(key)}{', admin' if key.admin else ''}); "
                   "store it now: it is not shown again", file=sys.stderr)

@@ -248,3 +248,19 @@ def test_cli_acts_on_the_redis_store(redis_server, capsys):
     cfg.redis.timeout_s = 0.05
     assert keys_main(["list"], cfg) == 2  # unreachable store: a clear message, exit 2
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_cli_loads_config_like_serve(tmp_path, capsys, monkeypatch):
+    """Without a config passed in: --keys-file, --config and PULSE_* pick the store `pulse serve` reads."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert keys_main(["create", "--keys-file", str(a)]) == 0
+    first = capsys.readouterr().out.strip()
+    conf = tmp_path / "pulse.yaml"
+    conf.write_text(f"keys: {{file: {b}, default_rpm: 7}}\n")
+    assert keys_main(["create", "--config", str(conf)]) == 0
+    second = capsys.readouterr().out.strip()
+    assert asyncio.run(FileKeyStore(a).verify(first)) is not None
+    assert asyncio.run(FileKeyStore(b).verify(second)).rpm == 7  # the config's default limits apply
+    monkeypatch.setenv("PULSE_KEYS__FILE", str(a))
+    assert keys_main(["list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["key_id"] == first.split("_")[1]
