@@ -109,3 +109,23 @@ def test_stop_kills_and_names_what_survives_sigterm(tmp_path):
     left = proc.stop(grace=2, settle=0.5)
     assert any("sleep" in name for name in left), left
     assert all(_state(pid) in ("gone", "Z") for pid in kids), [(pid, _state(pid)) for pid in kids]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gateway_overhead_against_pulse_serve_loadtest(tmp_path):
+    """The whole benchmark with `pulse serve --backend loadtest` (tiny counts): Pulse answers every request
+    with the same 16 tokens as the upstream, and nothing it started outlives the benchmark."""
+    before = set(descendants(os.getpid()))
+    rc = gateway_overhead.main(["--clients", "1", "4", "--repeats", "1", "--warmup", "0", "--duration", "0.5",
+                                "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("gateway_overhead-*.json")).read_text())
+    for cfg in ("pulse@1", "pulse@4"):
+        rec = next(r for r in doc["records"] if r["config"] == cfg)
+        m = rec["metrics"]
+        assert m["ok"] > 0 and m["errors"] == 0 and m["rate_limited"] == 0, rec
+        assert m["tok_s"] == pytest.approx(16 * m["req_s"])
+    assert "req_s_vs_relay" in doc["summary"]["pulse@4"]
+    assert len(doc["verdict"]) == 6
+    assert set(descendants(os.getpid())) <= before, "the benchmark left processes running"
