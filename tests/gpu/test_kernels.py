@@ -1,0 +1,151 @@
+"""Each fused kernel and the ctypes cuBLAS GEMM against the NumPy engine's own primitives (workers/cupy/ops.py).
+
+Fresh random inputs each run, outputs poisoned with NaN first so an unwritten element fails, relative errors
+against fp64/fp32 references at fp16 tolerance.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workers.cupy.batch import AttentionMeta
+from workers.cupy.ops import Ops
+
+cp = pytest.importorskip("cupy")
+
+from workers.cupy.gpu.cublas import Cublas  # noqa: E402
+from workers.cupy.gpu.kernels import Kernels  # noqa: E402
+
+RNG = np.random.default_rng()
+OPS = Ops(np)
+H, HD, NH, NKV, EPS = 640, 256, 4, 1, 1e-6
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output (unwritten or overflowed)"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def k():
+    return Kernels(HD, NH // NKV, "float16")
+
+
+def test_embed_norm(k):
+    t, v = 7, 1000
+    emb = RNG.standard_normal((v, H)).astype(np.float16)
+    tok = RNG.integers(0, v, t).astype(np.int32)
+    w = RNG.standard_normal(H).astype(np.float32)
+    resid = cp.full((t, H), np.nan, cp.float32)
+    out = cp.full((t, H), np.nan, cp.float16)
+    k.embed_norm(cp.asarray(tok), cp.asarray(emb), np.sqrt(H), cp.asarray(w), EPS, resid, out)
+    ref = OPS.embed(emb.astype(np.float32), tok, np.sqrt(H))
+    assert rel(resid.get(), ref) < 1e-6
+    assert rel(out.get(), OPS.rms_norm(ref, w, EPS)) < 2e-3
+
+
+@pytest.mark.parametrize("rows", [None, [3, 0]])
+def test_add_norm(k, rows):
+    t = 5
+    resid0 = (RNG.standard_normal((t, H)) * 50).astype(np.float32)  # Gemma's residual is large
+    delta = RNG.standard_normal((t, H)).astype(np.float32)
+    w_post, w_next = (RNG.standard_normal(H).astype(np.float32) for _ in range(2))
+    resid = cp.asarray(resid0)
+    n = t if rows is None else len(rows)
+    out = cp.full((n, H), np.nan, cp.float16)
+    k.add_norm(resid, cp.asarray(delta), cp.asarray(w_post), cp.asarray(w_next), EPS, out,
+               rows=None if rows is None else cp.asarray(np.array(rows, np.int64)))
+    new = resid0 + OPS.rms_norm(delta, w_post, EPS)
+    sel = slice(None) if rows is None else rows
+    assert rel(out.get(), OPS.rms_norm(new, w_next, EPS)[sel]) < 2e-3
+    assert rel(resid.get(), new if rows is None else resid0) < 1e-6
+
+
+def test_qkv_post(k):
+    t, nb, bs = 6, 8, 16
+    qkv = (RNG.standard_normal((t, (NH + 2 * NKV) * HD)) * 3).astype(np.float32)
+    qn, kn = (RNG.standard_normal(HD).astype(np.float32) for _ in range(2))
+    pos = RNG.integers(0, 30000, t).astype(np.int32)
+    slots = RNG.permutation(nb * bs)[:t].astype(np.int64)
+    q_out = cp.full((t, NH * HD), np.nan, cp.float16)
+    kc = cp.zeros((nb, bs, NKV, HD), cp.float16)
+    vc = cp.zeros((nb, bs, NKV, HD), cp.float16)
+    k.qkv_post(cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slots), 1e6, 1.0, EPS,
+               NH, NKV, q_out, kc, vc)
+    cos, sin = OPS.rope_tables(pos, 1e6, HD)
+    q = OPS.apply_rope(OPS.rms_norm(qkv[:, : NH * HD].reshape(t, NH, HD), qn, EPS), cos, sin)
+    kk = OPS.apply_rope(OPS.rms_norm(qkv[:, NH * HD : (NH + NKV) * HD].reshape(t, NKV, HD), kn, EPS), cos, sin)
+    v = qkv[:, (NH + NKV) * HD :].reshape(t, NKV, HD)
+    assert rel(q_out.get().reshape(t, NH, HD), q) < 2e-3
+    assert rel(kc.get().reshape(-1, NKV, HD)[slots], kk) < 2e-3
+    assert rel(vc.get().reshape(-1, NKV, HD)[slots], v) < 2e-3
+
+
+@pytest.mark.parametrize("window", [None, 512])
+def test_attention_mixed_step(k, window):
+    """One step with a prefill chunk (on top of a cached prefix) and decode tokens of several lengths."""
+    bs, nb = 16, 160
+    # (context length after the step, new tokens this step)
+    seqs = [(140, 40), (1, 1), (300, 1), (777, 1), (600, 70)]
+    perm = RNG.permutation(nb)
+    tables, used = np.zeros((len(seqs), 64), np.int32), 0
+    for b, (length, _) in enumerate(seqs):
+        n = -(-length // bs)
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    kc = (RNG.standard_normal((nb, bs, NKV, HD))).astype(np.float16)
+    vc = (RNG.standard_normal((nb, bs, NKV, HD))).astype(np.float16)
+    n_query = np.array([n for _, n in seqs])
+    qs = np.concatenate([[0], np.cumsum(n_query)]).astype(np.int32)
+    lens = np.array([length for length, _ in seqs], np.int32)
+    t = int(qs[-1])
+    q = (RNG.standard_normal((t, NH, HD)) * 2).astype(np.float16)
+    pos = np.concatenate([np.arange(length - n, length) for length, n in seqs]).astype(np.int32)
+    tok_row = np.repeat(np.arange(len(seqs)), n_query).astype(np.int32)
+    out = cp.full((t, NH * HD), np.nan, cp.float16)
+    k.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(tables), cp.asarray(tok_row),
+                cp.asarray(pos), bs, window or 0, 1 / 16, NKV, out)
+    meta = AttentionMeta(qs, lens, tables, bs)
+    ref = OPS.attention(q.astype(np.float32), kc.astype(np.float32), vc.astype(np.float32), meta, 1 / 16, window)
+    assert rel(out.get().reshape(t, NH, HD), ref) < 3e-3
+
+
+def test_gelu_mul(k):
+    t, f = 9, 2048
+    gu = (RNG.standard_normal((t, 2 * f)) * 3).astype(np.float32)
+    out = cp.full((t, f), np.nan, cp.float16)
+    k.gelu_mul(cp.asarray(gu), out)
+    assert rel(out.get(), OPS.gelu_tanh_mul(gu[:, :f], gu[:, f:])) < 2e-3
+
+
+def test_argmax_rows_first_max(k):
+    s, v = 5, 262_144
+    logits = RNG.standard_normal((s, v)).astype(np.float32)
+    logits[2, [17, 200_000]] = 100.0  # a tie: the first index wins, as in np.argmax
+    out = cp.full(s, -1, cp.int32)
+    k.argmax_rows(cp.asarray(logits), out)
+    assert out.get().tolist() == np.argmax(logits, axis=1).tolist()
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 512])
+def test_cublas_linear_eager_and_in_graph(m):
+    blas = Cublas("float16")
+    n, kdim = 1536, 640
+    x = RNG.standard_normal((m, kdim)).astype(np.float16)
+    w = (RNG.standard_normal((n, kdim)) * 0.05).astype(np.float16)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    xd, wd = cp.asarray(x), cp.asarray(w)
+    out = cp.full((m, n), np.nan, cp.float32)
+    blas.linear(xd, wd, out)
+    assert rel(out.get(), ref) < 1e-3
+    # the same call captured in a CUDA graph (CuPy's own cuBLAS path refuses this), then replayed
+    out2 = cp.full((m, n), np.nan, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        blas.linear(xd, wd, out2)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert rel(out2.get(), ref) < 1e-3

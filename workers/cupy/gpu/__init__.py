@@ -1,0 +1,59 @@
+"""The engine's CUDA half: fused kernels, cuBLAS through ctypes, decode steps as CUDA graphs.
+
+- kernels.cu / kernels.py  fused RMSNorm(+residual), QK-norm + RoPE + KV write, paged attention for mixed
+                           prefill/decode steps, gelu * up, argmax, graph input preparation
+- cublas.py                cublasGemmEx via ctypes (capturable in CUDA graphs, unlike CuPy's cuBLAS calls)
+- gemma3.py                GpuGemma3: the model on those kernels, same interface as workers/cupy/gemma3.Gemma3
+- graphs.py                decode steps captured once per batch size and replayed
+- NOTES.md                 measurements, predictions and outcomes (the GPU work log)
+
+Hook: `create_gpu_engine` builds the same Engine (scheduler, paged KV with prefix reuse, sampler) around
+GpuGemma3. The worker's backend uses it when the array module is CuPy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workers.cupy.sampler import Sampler
+
+
+class GpuSampler(Sampler):
+    """The engine's sampler, except that an all-greedy step takes the ids the model's argmax kernel already
+    chose inside the step (its CUDA graph), so only B int32 cross to the host."""
+
+    def __init__(self, model, **kw):
+        import cupy
+
+        super().__init__(cupy, **kw)
+        self.model = model
+
+    def sample(self, logits, rows):
+        chosen = getattr(self.model, "last_chosen", None)
+        if (chosen is not None and chosen.shape[0] == len(rows)
+                and all((r.params.temperature <= 0 or r.params.top_k == 1) and r.logprobs is None for r in rows)):
+            return chosen.get().astype(np.int64), [None] * len(rows)
+        return super().sample(logits, rows)
+
+
+def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, max_num_seqs: int,
+                      max_step_tokens: int, context_length: int, block_sink=None, seed: int | None = None,
+                      act: str = "float16", graph_sizes=None, **_ignored):
+    """An Engine whose model is GpuGemma3 (fp16/bf16 weights, CUDA graphs for decode batches up to
+    max_num_seqs). Same arguments as workers.cupy.engine.create_engine; `ops`/`dtype` are ignored."""
+    from workers.cupy.engine import Engine
+    from workers.cupy.gemma3 import Gemma3Config
+    from workers.cupy.gpu.gemma3 import GpuGemma3
+    from workers.cupy.kv_cache import BlockManager
+    from workers.cupy.scheduler import Scheduler
+
+    if info.architecture != "gemma3":
+        raise ValueError(f"the GPU engine runs gemma3 only (got {info.architecture!r})")
+    if graph_sizes is None:
+        graph_sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_num_seqs) + (max_num_seqs,)
+    cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
+    model = GpuGemma3(cfg, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length)
+    kv = model.kv_storage(num_blocks, block_size)
+    blocks = BlockManager(num_blocks, block_size, block_sink)
+    scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
+    return Engine(model, kv, blocks, scheduler, GpuSampler(model), info.eos_token_ids, context_length,
+                  info.vocab_size, seed)

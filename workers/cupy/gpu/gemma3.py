@@ -1,0 +1,172 @@
+"""Gemma 3 on a CUDA GPU: the same forward pass as workers/cupy/gemma3.py, from fused kernels and cuBLAS.
+
+Per layer, 4 GEMMs (q/k/v as one, o, gate/up as one, down) and 5 fused kernels (sandwich norms with the
+residual add, QK-norm + RoPE + KV write, paged attention, gelu * up). Weights, activations and the KV cache
+are fp16 (or bf16); the residual stream and every GEMM output stay fp32, so Gemma's large residual values
+never pass through a 16-bit type. Decode steps replay CUDA graphs (graphs.py); other steps run eagerly.
+
+The object has the interface the engine expects of a model (`xp`, `forward(batch, kv)`, `kv_storage`), so
+`create_engine` can use it in place of the NumPy/CuPy-ops model when the device is a GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from workers.cupy.gemma3 import Gemma3Config
+from workers.cupy.gpu.cublas import Cublas
+from workers.cupy.gpu.kernels import Kernels
+from workers.cupy.kv_cache import KVStorage
+
+
+def to_device(a, act: str):
+    """A host fp32 array in the activation dtype on the device (bf16 kept as its uint16 bit pattern)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if act == "float16":
+        return cp.asarray(a.astype(np.float16))
+    bits = a.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16  # round to nearest even
+    return cp.asarray(rounded.astype(np.uint16))
+
+
+def kv_dtype(act: str) -> str:
+    return "float16" if act == "float16" else "uint16"
+
+
+@dataclass
+class Workspace:
+    """Every intermediate of one step for up to `t` tokens and `s` logits rows (graphs need fixed buffers)."""
+
+    resid: cp.ndarray
+    x: cp.ndarray
+    qkv: cp.ndarray
+    q: cp.ndarray
+    attn: cp.ndarray
+    o: cp.ndarray
+    gate_up: cp.ndarray
+    mlp: cp.ndarray
+    down: cp.ndarray
+    x_out: cp.ndarray
+    logits: cp.ndarray
+    chosen: cp.ndarray
+
+    @classmethod
+    def allocate(cls, c: Gemma3Config, t: int, s: int, act: str) -> Workspace:
+        adt = kv_dtype(act)
+        nq = c.n_heads * c.head_dim
+        return cls(
+            resid=cp.empty((t, c.hidden), cp.float32), x=cp.empty((t, c.hidden), adt),
+            qkv=cp.empty((t, nq + 2 * c.n_kv_heads * c.head_dim), cp.float32), q=cp.empty((t, nq), adt),
+            attn=cp.empty((t, nq), adt), o=cp.empty((t, c.hidden), cp.float32),
+            gate_up=cp.empty((t, 2 * c.ffn), cp.float32), mlp=cp.empty((t, c.ffn), adt),
+            down=cp.empty((t, c.hidden), cp.float32), x_out=cp.empty((s, c.hidden), adt),
+            logits=cp.empty((s, c.vocab_size), cp.float32), chosen=cp.empty((s,), cp.int32),
+        )
+
+    def view(self, t: int, s: int) -> Workspace:
+        """The leading rows, for a step smaller than the buffers (still C-contiguous)."""
+        tok = ("resid", "x", "qkv", "q", "attn", "o", "gate_up", "mlp", "down")
+        return Workspace(**{k: getattr(self, k)[: (t if k in tok else s)] for k in self.__dataclass_fields__})
+
+
+class GpuGemma3:
+    architecture = "gemma3"
+    xp = cp
+
+    def __init__(self, cfg: Gemma3Config, weights: dict, act: str = "float16", graph_sizes=(1, 2, 4, 8, 16, 32, 64),
+                 max_model_len: int = 8192):
+        self.cfg, self.act = cfg, act
+        self.kernels = Kernels(cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, act)
+        self.blas = Cublas(act)
+        self.embed = to_device(weights["token_embd.weight"], act)
+        self.out_norm = cp.asarray(weights["output_norm.weight"], cp.float32)
+        self.layers = [self._layer_weights(weights, i) for i in range(cfg.n_layers)]
+        self.graph_sizes = tuple(sorted(graph_sizes))
+        self.max_model_len = max_model_len
+        self._graphs = None  # graphs.DecodeGraphs, built on the first decode step for a KV storage
+
+    def _layer_weights(self, w: dict, i: int) -> dict:
+        p, act = f"blk.{i}.", self.act
+
+        def norm(name):
+            return cp.asarray(w[p + name + ".weight"], cp.float32)
+
+        qkv = np.concatenate([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        gate_up = np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        c = self.cfg
+        is_global = c.is_global(i)
+        return {
+            "attn_norm": norm("attn_norm"), "qkv": to_device(qkv, act), "q_norm": norm("attn_q_norm"),
+            "k_norm": norm("attn_k_norm"), "o": to_device(w[p + "attn_output.weight"], act),
+            "post_attn_norm": norm("post_attention_norm"), "ffn_norm": norm("ffn_norm"),
+            "gate_up": to_device(gate_up, act), "down": to_device(w[p + "ffn_down.weight"], act),
+            "post_ffn_norm": norm("post_ffw_norm"),
+            "theta": c.rope_base_global if is_global else c.rope_base_local,
+            "pos_scale": c.rope_scale_global if is_global else 1.0,
+            "window": 0 if is_global else c.window,
+        }
+
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None) -> KVStorage:
+        """K/V arrays with one extra block at the end: the scratch block padding rows of a graph write to."""
+        c = self.cfg
+        return KVStorage(cp, c.n_layers, num_blocks + 1, block_size, c.n_kv_heads, c.head_dim, kv_dtype(self.act))
+
+    # --- the step ------------------------------------------------------------------------------------
+    def run(self, ws: Workspace, tok, pos, slots, tok_row, block_tables, logit_rows, kv: KVStorage,
+            block_size: int) -> None:
+        """One forward pass into ws.logits / ws.chosen (greedy ids). Launches only: capturable as a graph."""
+        c, k, blas = self.cfg, self.kernels, self.blas
+        nkv, nh, eps = c.n_kv_heads, c.n_heads, c.eps
+        k.embed_norm(tok, self.embed, math.sqrt(c.hidden), self.layers[0]["attn_norm"], eps, ws.resid, ws.x)
+        for i, lw in enumerate(self.layers):
+            blas.linear(ws.x, lw["qkv"], ws.qkv)
+            k.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, lw["theta"], lw["pos_scale"], eps, nh, nkv,
+                       ws.q, kv.k[i], kv.v[i])
+            k.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
+                        c.query_scale, nkv, ws.attn)
+            blas.linear(ws.attn, lw["o"], ws.o)
+            k.add_norm(ws.resid, ws.o, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.x)
+            blas.linear(ws.x, lw["gate_up"], ws.gate_up)
+            k.gelu_mul(ws.gate_up, ws.mlp)
+            blas.linear(ws.mlp, lw["down"], ws.down)
+            if i + 1 < len(self.layers):
+                k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.layers[i + 1]["attn_norm"], eps, ws.x)
+            else:
+                k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.out_norm, eps, ws.x_out, rows=logit_rows)
+        blas.linear(ws.x_out, self.embed, ws.logits)
+        if c.final_softcap:
+            ws.logits[...] = cp.tanh(ws.logits / np.float32(c.final_softcap)) * np.float32(c.final_softcap)
+        k.argmax_rows(ws.logits, ws.chosen)
+
+    def forward(self, batch, kv: KVStorage):
+        """Logits (rows of batch.logits_indices, vocab) for one engine step (workers/cupy/batch.StepBatch)."""
+        meta = batch.meta
+        n_query = np.diff(meta.query_start)
+        n_rows = int(batch.logits_indices.shape[0])
+        if (self.graph_sizes and n_query.size and np.all(n_query == 1) and n_rows == n_query.size
+                and n_query.size <= self.graph_sizes[-1]):
+            return self._decode_graphs(kv, meta.block_size).run(batch)
+        return self.forward_eager(batch, kv)
+
+    def forward_eager(self, batch, kv: KVStorage):
+        meta = batch.meta
+        t, s = batch.num_tokens, int(batch.logits_indices.shape[0])
+        ws = Workspace.allocate(self.cfg, t, s, self.act)
+        tok_row = cp.asarray(np.repeat(np.arange(meta.seq_lens.size, dtype=np.int32), np.diff(meta.query_start)))
+        tables = cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32))
+        self.run(ws, cp.ascontiguousarray(batch.token_ids, cp.int32), cp.ascontiguousarray(batch.positions, cp.int32),
+                 cp.ascontiguousarray(batch.slot_mapping, cp.int64), tok_row, tables,
+                 cp.ascontiguousarray(batch.logits_indices, cp.int64), kv, meta.block_size)
+        self.last_chosen = ws.chosen
+        return ws.logits
+
+    def _decode_graphs(self, kv: KVStorage, block_size: int):
+        from workers.cupy.gpu.graphs import DecodeGraphs
+
+        if self._graphs is None or self._graphs.kv is not kv:
+            self._graphs = DecodeGraphs(self, kv, block_size, self.graph_sizes,
+                                        -(-self.max_model_len // block_size))
+        return self._graphs
