@@ -6,7 +6,6 @@ import socket
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.completions import CompletionService
 from gateway.errors import APIError, error_response
@@ -21,8 +20,8 @@ _JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded", "tex
 class Gateway:
     """Holds the gateway's parts and builds its aiohttp application."""
 
-    def __init__(self, service: CompletionService, pool: WorkerPool, *, registry=REGISTRY):
-        self.service, self.pool, self.registry = service, pool, registry
+    def __init__(self, service: CompletionService, pool: WorkerPool, *, metrics):
+        self.service, self.pool, self.metrics = service, pool, metrics
         self.draining = False
         self.created = int(time.time())
 
@@ -34,7 +33,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/pulse/workers", self.workers)
         return app
 
@@ -99,8 +98,9 @@ class Gateway:
                 for w in self.pool.workers.values()]
         return web.json_response({"workers": rows})
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
 
 
 async def start_server(app: web.Application, host: str, port: int, *, reuse_port: bool = True,

@@ -30,6 +30,7 @@ from gateway.prompt import PromptBuilder
 from gateway.responses import Shaper
 from policy.config import PulseConfig
 from workers.protocol import BackendError, Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
+from workers.protocol import telemetry as tm
 
 log = logging.getLogger("pulse.gateway")
 _json = msgspec.json.Encoder()
@@ -52,8 +53,9 @@ class LeastLoadedRouter:
 
 class CompletionService:
     def __init__(self, config: PulseConfig, builder: PromptBuilder, pool: WorkerPool, *, context_length: int,
-                 token_text, router=None, max_retries: int = 2):
+                 token_text, metrics, tracer, router=None, max_retries: int = 2):
         self.cfg, self.builder, self.pool = config, builder, pool
+        self.metrics, self.tracer = metrics, tracer
         self.context_length = context_length
         self.token_text = token_text
         self.router = router or LeastLoadedRouter()
@@ -129,7 +131,12 @@ class CompletionService:
             workers = [w for w in self.pool.routable() if w.worker_id not in tried]
             if not workers:
                 break
-            routed = self.router.choose(workers, gen)
+            t0 = time.perf_counter()
+            with self.tracer.start_as_current_span(tm.SPAN_ROUTE) as span:
+                routed = self.router.choose(workers, gen)
+                span.set_attribute(tm.PULSE_ROUTE_REASON, routed.reason)
+                span.set_attribute(tm.PULSE_WORKER, routed.worker.worker_id)
+            self.metrics.routed(time.perf_counter() - t0)
             w = routed.worker
             tried.add(w.worker_id)
             w.inflight += 1
@@ -166,30 +173,56 @@ class CompletionService:
 
     # ---- responses -----------------------------------------------------------------------------
     async def respond(self, request: web.Request, kind: str, body: bytes) -> web.StreamResponse:
-        req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
-        shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
-        worker, (resp, it), first = await self.open(gen)
-        try:
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await self._stream(request, shaper, worker, it, first, include_usage)
-            return await self._whole(shaper, worker, it, first)
-        finally:
-            worker.inflight -= 1
-            resp.close()
+        start = time.perf_counter()
+        ctx = tm.extract_context(request.headers)
+        with self.tracer.start_as_current_span(f"{request.method} {request.path}", context=ctx,
+                                               kind=tm.trace.SpanKind.SERVER) as span:
+            rm = None
+            try:
+                req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
+                tm.set_request_attributes(span, model=req.model, operation="chat" if kind == "chat" else
+                                          "text_completion", max_tokens=gen.max_tokens,
+                                          temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
+                                          seed=gen.sampling.seed, stream=req.stream,
+                                          session_id=request.headers.get("x-session-id"))
+                gen.session_id = request.headers.get("x-session-id")
+                gen.trace_context = tm.inject_context()
+                rm = self.metrics.request(req.model, start)
+                rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
+                shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
+                worker, (resp, it), first = await self.open(gen)
+                span.set_attribute(tm.PULSE_WORKER, worker.worker_id)
+                try:
+                    if req.stream:
+                        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                        return await self._stream(request, shaper, worker, it, first, include_usage, rm, span)
+                    return await self._whole(shaper, worker, it, first, rm, span)
+                finally:
+                    worker.inflight -= 1
+                    resp.close()
+            except APIError as e:
+                if rm is not None:
+                    rm.finish(e.status)
+                else:
+                    self.metrics.record_request(self.cfg.model.name, e.status, time.perf_counter() - start)
+                span.set_attribute("http.response.status_code", e.status)
+                raise
+            finally:
+                if rm is not None:
+                    rm.finish(499)  # no-op when the request already finished; else the client left
 
     async def _all(self, it: AsyncIterator[Chunk], first: Chunk) -> AsyncIterator[Chunk]:
         yield first
         async for c in it:
             yield c
 
-    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: Chunk) -> web.Response:
+    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: Chunk, rm, span) -> web.Response:
         parts: list[str] = []
         lps: list[TokenLogprob] | None = None
         final: Chunk | None = None
         try:
             async for c in self._all(it, first):
+                rm.chunk(len(c.token_ids))
                 parts.append(c.text)
                 if c.logprobs is not None:
                     lps = (lps or []) + c.logprobs
@@ -201,19 +234,24 @@ class CompletionService:
         if final is None or final.finish_reason == "error":
             msg = final.error if final and final.error else "the worker stream ended without a result"
             raise APIError(503, f"generation failed on worker {worker.worker_id}: {msg}", code="worker_failed")
-        body = shaper.whole("".join(parts), _finish(final), final.usage or Usage(), lps)
+        usage = final.usage or Usage()
+        body = shaper.whole("".join(parts), _finish(final), usage, lps)
+        rm.finish(200, usage)
+        tm.set_usage_attributes(span, usage, _finish(final))
         return web.Response(body=_json.encode(body), content_type="application/json",
                             headers={"x-pulse-worker": worker.worker_id})
 
     async def _stream(self, request: web.Request, shaper: Shaper, worker: WorkerState, it, first: Chunk,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, rm, span) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "x-pulse-worker": worker.worker_id})
         await out.prepare(request)
         is_first = True
         try:
             async for c in self._all(it, first):
+                rm.chunk(len(c.token_ids))
                 if c.finish_reason == "error":
+                    rm.finish("stream_error")
                     await _sse_error(out, c.error or "generation failed")
                     return out
                 if c.text or c.logprobs or is_first or c.finish_reason:
@@ -224,15 +262,19 @@ class CompletionService:
                     if finish:
                         await out.write(_event(shaper.stream_chunk("", finish, None, False)))
                 if c.finish_reason is not None:
+                    rm.finish(200, c.usage)
+                    tm.set_usage_attributes(span, c.usage or Usage(), _finish(c))
                     if include_usage:
                         await out.write(_event(shaper.usage_chunk(c.usage or Usage())))
                     await out.write(DONE)
                     return out
+            rm.finish("stream_error")
             await _sse_error(out, "the worker stream ended without a result")
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: closing the upstream (finally in respond) cancels the generation
         except Exception as e:  # after the first byte: one in-band error event, then close
             log.warning("stream from %s failed: %s", worker.worker_id, e)
+            rm.finish("stream_error")
             await _sse_error(out, f"worker {worker.worker_id} failed mid-stream")
         return out
 

@@ -49,8 +49,14 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     def token_text(token_id: int) -> str:
         return tok.decode([token_id], skip_special_tokens=False)
 
-    service = CompletionService(config, builder, pool, context_length=ctx, token_text=token_text)
-    return Gateway(service, pool)
+    from gateway.metrics import GatewayMetrics
+    from workers.protocol import telemetry as tm
+
+    provider = tm.setup_tracing(config.telemetry, role="gateway")
+    metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
+    service = CompletionService(config, builder, pool, context_length=ctx, token_text=token_text, metrics=metrics,
+                                tracer=provider.get_tracer("pulse.gateway"))
+    return Gateway(service, pool, metrics=metrics)
 
 
 async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: bool = True):
@@ -81,5 +87,6 @@ class GatewayIngress:
             raise RuntimeError("gateway HTTP server is not running")
 
     async def __del__(self):
-        await self.runner.cleanup()
-        await self.gateway.pool.close()
+        if hasattr(self, "runner"):
+            await self.runner.cleanup()
+            await self.gateway.pool.close()

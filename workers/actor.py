@@ -68,7 +68,11 @@ class WorkerActor:
             cls = backend_class(self.config.workers.backend)
             self.backend = cls(self.config, profile, model, block_sink=self._on_blocks, worker_id=self.worker_id)
             await self.backend.start()
-            self.server = StreamServer(self.backend, host=self.bind_host)
+            from workers.protocol import telemetry as tm
+
+            provider = tm.setup_tracing(self.config.telemetry, role="worker")
+            self.server = StreamServer(self.backend, host=self.bind_host, worker_id=self.worker_id,
+                                       tracer=provider.get_tracer("pulse.worker"))
             url = await self.server.start()
             host = advertised_host(self.bind_host)
             url = url.replace(self.bind_host, host, 1) if host != self.bind_host else url

@@ -57,7 +57,8 @@ class LoadTestBackend(Backend):
 
     def stats(self) -> BackendStats:
         elapsed = max(time.monotonic() - self._started, 1e-6)
-        return BackendStats(running=self.running, slots=self.cfg.slots, tokens_per_s=self.generated / elapsed)
+        return BackendStats(running=self.running, slots=self.cfg.slots, tokens_per_s=self.generated / elapsed,
+                            generated_tokens=self.generated)
 
     async def close(self) -> None:
         return None

@@ -13,13 +13,17 @@ import logging
 from aiohttp import web
 
 from workers.protocol import Backend, BackendError, encode, request_decoder
+from workers.protocol import telemetry as tm
 
 log = logging.getLogger("pulse.worker.stream")
 
 
 class StreamServer:
-    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, *, tracer=None,
+                 worker_id: str = ""):
         self.backend, self.host, self.port = backend, host, port
+        self.tracer = tracer or tm.trace.get_tracer("pulse.worker")
+        self.worker_id = worker_id
         self._runner: web.AppRunner | None = None
         self.draining = False
 
@@ -51,19 +55,31 @@ class StreamServer:
             req = request_decoder.decode(await request.read())
         except Exception as e:
             return _error(400, f"bad generate request: {e}", "bad_request")
-        chunks = self.backend.generate(req)
-        try:
-            first = await chunks.__anext__()
-        except BackendError as e:
-            await chunks.aclose()
-            return _error(e.status, e.message, e.code)
-        except StopAsyncIteration:
-            return _error(500, "backend produced no output", "backend_error")
+        parent = tm.extract_context(req.trace_context)
+        # prefill: arrival (queue wait included) to the first chunk; decode: first chunk to finish
+        with self.tracer.start_as_current_span(tm.SPAN_PREFILL, context=parent) as prefill:
+            prefill.set_attribute(tm.PULSE_WORKER, self.worker_id)
+            prefill.set_attribute(tm.GEN_AI_USAGE_INPUT_TOKENS, len(req.prompt_ids))
+            chunks = self.backend.generate(req)
+            try:
+                first = await chunks.__anext__()
+            except BackendError as e:
+                await chunks.aclose()
+                return _error(e.status, e.message, e.code)
+            except StopAsyncIteration:
+                return _error(500, "backend produced no output", "backend_error")
+        with self.tracer.start_as_current_span(tm.SPAN_DECODE, context=parent) as decode:
+            decode.set_attribute(tm.PULSE_WORKER, self.worker_id)
+            tm.first_token_event(decode)
+            return await self._relay(request, chunks, first, decode)
+
+    async def _relay(self, request: web.Request, chunks, first, span) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
             await resp.prepare(request)
             await resp.write(encode(first) + b"\n")
             if first.finish_reason is not None:
+                _finish_span(span, first)
                 return resp
             pending = asyncio.ensure_future(chunks.__anext__())
             while True:
@@ -81,6 +97,7 @@ class StreamServer:
                     done = chunk.finish_reason is not None
                 await resp.write(b"\n".join(batch) + b"\n")
                 if done:
+                    _finish_span(span, chunk)
                     return resp
         except StopAsyncIteration:
             return resp
@@ -92,6 +109,11 @@ class StreamServer:
                 except (asyncio.CancelledError, StopAsyncIteration, Exception):
                     pass
             await chunks.aclose()
+
+
+def _finish_span(span, chunk) -> None:
+    if chunk.usage is not None:
+        tm.set_usage_attributes(span, chunk.usage, chunk.finish_reason)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:

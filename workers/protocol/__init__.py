@@ -85,6 +85,11 @@ class BackendStats(msgspec.Struct):
     preemptions: int = 0
     restarts: int = 0  # backend process restarts (llama-server)
     healthy: bool = True
+    generated_tokens: int = 0  # cumulative since start
+    speculation_k: int | None = None  # K of the latest decode step
+    steps_by_k: list[int] = []  # cumulative decode steps at each K (index = K)
+    drafted_by_position: list[int] = []  # cumulative; index 0 is draft position 1
+    accepted_by_position: list[int] = []
 
 
 class BlockEvent(msgspec.Struct):
