@@ -1,0 +1,91 @@
+"""The gateway's router: prefix lookup in the PrefixIndex, then the pure policy.routing decision.
+
+    router = PrefixRouter(index, cfg.routing)                   # index: MemoryPrefixIndex | RedisPrefixIndex | None
+    result = await router.choose(workers, gen)                   # workers: routable WorkerStates; gen: GenerateRequest
+    result.worker, result.reason, result.cached_tokens, result.index_ok, result.decision
+
+Everything here is glue (no policy): hash the prompt's full blocks (cache.hashing.chain_hashes, the
+definition the engine uses), ask the index once, build a `WorkerLoad` per worker from its last stats
+and this gateway's in-flight count, remember which worker each `x-session-id` went to (bounded LRU),
+and call `choose_worker`. When the index is unavailable (Redis down or slow) routing goes on with no
+prefix hits: load and session affinity only, and `index_ok` is False (count it in a metric).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from cache.hashing import chain_hashes
+from cache.index import IndexUnavailable, PrefixIndex
+from policy.config import RoutingConfig
+from policy.routing import choose_worker
+from policy.types import RouteDecision, RouteRequest, WorkerLoad
+
+
+@dataclass
+class RouteResult:
+    worker: object | None  # the chosen WorkerState (None when no worker is healthy)
+    reason: str
+    cached_tokens: int
+    index_ok: bool  # False: the index could not answer; routed on load alone
+    decision: RouteDecision
+
+
+class PrefixRouter:
+    def __init__(self, index: PrefixIndex | None, cfg: RoutingConfig, *, sessions_max: int = 100_000):
+        self.index = index
+        self.cfg = cfg
+        self.sessions_max = sessions_max
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> last worker id
+        self._seq = itertools.count()
+
+    async def choose(self, workers: Sequence, gen) -> RouteResult:
+        """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
+        hits, index_ok = await self._hits(workers, gen.prompt_ids)
+        loads = [load_of(w) for w in workers]
+        session = gen.session_id
+        request = RouteRequest(
+            prompt_tokens=len(gen.prompt_ids),
+            max_tokens=gen.max_tokens,
+            session_id=session,
+            session_worker=self._sessions.get(session) if session else None,
+            seq=next(self._seq),
+        )
+        decision = choose_worker(loads, hits, request, self.cfg)
+        chosen = next((w for w in workers if w.worker_id == decision.worker_id), None)
+        if session and chosen is not None:
+            self._remember(session, chosen.worker_id)
+        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision)
+
+    async def _hits(self, workers: Sequence, prompt_ids: list[int]) -> tuple[dict[str, int], bool]:
+        if self.index is None or not workers:
+            return {}, True
+        block_size = workers[0].info.block_size  # one block size per deployment (EngineConfig.block_size)
+        hashes = chain_hashes(prompt_ids, block_size)
+        if not hashes:
+            return {}, True
+        try:
+            return await self.index.longest_prefix(hashes), True
+        except IndexUnavailable:
+            return {}, False
+
+    def _remember(self, session: str, worker_id: str) -> None:
+        self._sessions[session] = worker_id
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > self.sessions_max:
+            self._sessions.popitem(last=False)
+
+
+def load_of(w) -> WorkerLoad:
+    """A WorkerState as routing sees it: its last BackendStats plus this gateway's in-flight count."""
+    return WorkerLoad.from_stats(
+        w.worker_id,
+        msgspec.structs.asdict(w.stats),
+        inflight=w.inflight,
+        healthy=w.healthy and w.stats.healthy,
+        block_size=w.info.block_size,
+    )

@@ -1,0 +1,60 @@
+"""gateway.router: the real index (in-process and Redis) feeding the pure routing decision."""
+from __future__ import annotations
+
+from cache.hashing import chain_hashes
+from cache.memory_index import MemoryPrefixIndex
+from cache.redis_guard import make_client
+from cache.redis_index import RedisPrefixIndex
+from gateway.pool import WorkerState
+from gateway.router import PrefixRouter, load_of
+from policy.config import RoutingConfig
+from tests.conftest_redis import redis_server  # noqa: F401  (fixture)
+from workers.protocol import BackendStats, GenerateRequest, WorkerInfo
+
+
+def worker(wid: str, running: int = 0, slots: int = 4, inflight: int = 0) -> WorkerState:
+    s = WorkerState(WorkerInfo(wid, "http://127.0.0.1:1", "loadtest", block_size=16),
+                    BackendStats(running=running, slots=slots, kv_blocks_total=1000, block_size=16))
+    s.inflight = inflight
+    return s
+
+
+def gen(ids: list[int], session: str | None = None) -> GenerateRequest:
+    return GenerateRequest(request_id="r", prompt_ids=ids, max_tokens=16, session_id=session)
+
+
+PROMPT = list(range(4000))
+
+
+async def test_routes_to_the_prefix_holder_and_remembers_sessions():
+    index = MemoryPrefixIndex()
+    router = PrefixRouter(index, RoutingConfig())
+    workers = [worker("a", running=1), worker("b", running=2), worker("c")]
+    await index.publish("b", chain_hashes(PROMPT[:3200], 16))
+    r = await router.choose(workers, gen(PROMPT, "s1"))
+    assert (r.worker.worker_id, r.reason, r.cached_tokens, r.index_ok) == ("b", "prefix_hit", 3200, True)
+    # next turn of s1 with nothing cached anywhere: its remembered worker, if not overloaded
+    r = await router.choose(workers, gen(list(range(9000, 9100)), "s1"))
+    assert (r.worker.worker_id, r.reason) == ("b", "session_affinity")
+    assert load_of(workers[1]).active == 2
+
+
+async def test_redis_down_routes_on_load_alone(redis_server):
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.2), namespace="t:", timeout_s=0.2, retry_interval_s=5)
+    router = PrefixRouter(index, RoutingConfig())
+    workers = [worker("a", running=3), worker("b", running=1)]
+    try:
+        await index.publish("a", chain_hashes(PROMPT, 16))
+        assert (await router.choose(workers, gen(PROMPT))).worker.worker_id == "a"
+        redis_server.stop()
+        r = await router.choose(workers, gen(PROMPT))
+        assert (r.worker.worker_id, r.reason, r.index_ok) == ("b", "least_loaded", False)
+    finally:
+        await index.close()
+
+
+async def test_no_healthy_worker():
+    w = worker("a")
+    w.stats = BackendStats(healthy=False)
+    r = await PrefixRouter(None, RoutingConfig()).choose([w], gen(PROMPT))
+    assert r.worker is None and r.reason == "no_healthy_worker"
