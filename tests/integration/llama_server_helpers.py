@@ -1,0 +1,63 @@
+"""Shared set-up of the llama-server integration tests: the real binary, the real bundled model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from policy.config import PulseConfig
+from policy.profiles import builtin_profiles
+from workers.llama_server.backend import LlamaServerBackend
+from workers.llama_server.binary import find_llama_server
+from workers.protocol import Chunk, GenerateRequest, SamplingParams
+from workers.protocol.model import load_model_info, load_tokenizer
+
+REQUIRE_ENV = "PULSE_REQUIRE_LLAMA_SERVER"
+
+
+def llama_server_binary() -> Path:
+    """The binary; a skip (or, with PULSE_REQUIRE_LLAMA_SERVER set, a failure) when it is not built."""
+    try:
+        return find_llama_server(os.environ.get("PULSE_LLAMA_SERVER") or None)
+    except FileNotFoundError as e:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{REQUIRE_ENV} is set but llama-server is missing: {e}")
+        pytest.skip(f"llama-server not built (run deploy/build_llama_server.sh): {e}")
+
+
+def make_config(tmp: Path, **overrides) -> PulseConfig:
+    ls = {"binary": str(llama_server_binary()), "slots": 2, "kv_tokens": 4096, "threads": 2,
+          "log_dir": str(tmp), "headers_timeout_s": 20.0, "stop_grace_s": 3.0}
+    ls.update(overrides)
+    return PulseConfig.model_validate({"workers": {"backend": "llama-server", "llama_server": ls}})
+
+
+def make_backend(tmp: Path, sink=None, **overrides) -> LlamaServerBackend:
+    config = make_config(tmp, **overrides)
+    return LlamaServerBackend(config, builtin_profiles()["cpu"], load_model_info(), block_sink=sink, worker_id="t")
+
+
+def encode(text: str) -> list[int]:
+    """Gemma's chat-free prompt: BOS + the text's ids (the gateway does this before a worker sees it)."""
+    info = load_model_info()
+    ids = load_tokenizer().encode(text, add_special_tokens=False).ids
+    return ([info.bos_token_id] if info.add_bos and info.bos_token_id is not None else []) + ids
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 16, **kw) -> GenerateRequest:
+    sampling = kw.pop("sampling", SamplingParams(temperature=0.0))
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=max_tokens, sampling=sampling, **kw)
+
+
+async def collect(backend, req: GenerateRequest) -> list[Chunk]:
+    return [c async for c in backend.generate(req)]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

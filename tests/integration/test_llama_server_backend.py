@@ -1,0 +1,154 @@
+"""LlamaServerBackend against a real llama-server running the real bundled model (one process per module)."""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import pytest_asyncio
+
+from cache.hashing import chain_hashes
+from tests.integration.llama_server_helpers import collect, encode, make_backend, request
+from workers.protocol import BackendError, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = "The three primary colours are red, yellow and blue. Explain how to mix green paint, step by step:"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory):
+    events = []
+    backend = make_backend(tmp_path_factory.mktemp("llama"), sink=events.append)
+    await backend.start()
+    yield backend, events
+    await backend.close()
+
+
+def direct_completion(backend, prompt: list[int], n: int) -> dict:
+    """llama-server's own non-streaming answer, bypassing Pulse: the reference for the streamed one."""
+    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": False,
+                       "return_tokens": True, "stream": False}).encode()
+    req = urllib.request.Request(backend.lanes[0].process.url + "/completion", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+async def test_stream_matches_llama_servers_own_answer(served):
+    backend, _ = served
+    prompt = encode(PROMPT)
+    chunks = await collect(backend, request("s1", prompt, max_tokens=24))
+    final = chunks[-1]
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    text = "".join(c.text for c in chunks)
+    ids = [t for c in chunks for t in c.token_ids]
+    ref = direct_completion(backend, prompt, 24)
+    assert text == ref["content"] and ids == ref["tokens"]
+    assert final.finish_reason == "length"
+    # usage comes from llama-server's timings, and agrees with what was streamed
+    assert final.usage.completion_tokens == 24 == len(ids)
+    assert final.usage.prompt_tokens == len(prompt)
+
+
+async def test_shared_prefix_is_served_from_the_slot_cache(served):
+    backend, events = served
+    base = encode(PROMPT + " First, take a clean palette and a brush. " * 6)
+    assert len(base) > 64
+    first = (await collect(backend, request("c1", base, max_tokens=4)))[-1].usage
+    second = (await collect(backend, request("c2", base + encode(" Then")[1:], max_tokens=4)))[-1].usage
+    assert first.prompt_tokens == len(base)
+    assert second.cached_tokens >= len(base) - 16, (first, second)  # the slot kept the first prompt
+    assert second.prompt_tokens == len(base) + len(encode(" Then")) - 1
+    added = {h for e in events if e.kind == "added" for h in e.hashes}
+    assert set(chain_hashes(base, backend.block_size)) <= added
+
+
+async def test_slot_affinity_picks_the_slot_holding_the_prefix(served):
+    backend, _ = served
+    lane = backend.lanes[0]
+    a = encode("Alpha story: " + "once upon a time there was a fox. " * 5)
+    b = encode("Beta recipe: " + "mix flour, water and salt. " * 5)
+    await collect(backend, request("a1", a, max_tokens=2))
+    await collect(backend, request("b1", b, max_tokens=2))
+    slot_a = next(s.index for s in lane.slots.slots if s.tokens[: len(a)] == a)
+    slot_b = next(s.index for s in lane.slots.slots if s.tokens[: len(b)] == b)
+    assert slot_a != slot_b
+    assert lane.slots.choose(a + [1, 2, 3]) == slot_a and lane.slots.choose(b) == slot_b
+    usage = (await collect(backend, request("a2", a + encode(" The end")[1:], max_tokens=2)))[-1].usage
+    assert usage.cached_tokens >= len(a) - 16
+
+
+async def test_stop_string_is_honoured_and_not_returned(served):
+    backend, _ = served
+    prompt = encode(PROMPT)
+    full = "".join(c.text for c in await collect(backend, request("f", prompt, max_tokens=24)))
+    words = [w for w in full.split() if len(w) >= 4]
+    assert words, full
+    stop = words[len(words) // 2]
+    chunks = await collect(backend, request("st", prompt, max_tokens=24, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"
+    assert stop not in text and full.startswith(text) and len(text) < full.index(stop) + 1
+
+
+async def test_sampling_seed_and_logprobs(served):
+    backend, _ = served
+    prompt = encode("Write a list of fruits:")
+    hot = SamplingParams(temperature=1.2, top_p=0.95, top_k=50, seed=1234)
+    runs = ["".join(c.text for c in await collect(backend, request(f"r{i}", prompt, 12, sampling=hot)))
+            for i in range(2)]
+    assert runs[0] == runs[1]  # the same seed and prompt give the same tokens
+    chunks = await collect(backend, request("lp", prompt, 4, logprobs=3))
+    lps = [lp for c in chunks if c.logprobs for lp in c.logprobs]
+    ids = [t for c in chunks for t in c.token_ids]
+    assert [lp.token_id for lp in lps] == ids
+    assert all(lp.logprob <= 0 and len(lp.top) == 3 and lp.top[0][1] >= lp.top[-1][1] for lp in lps)
+    assert lps[0].top[0][0] == ids[0]  # greedy: the chosen token is the most likely one
+
+
+async def test_bad_requests_are_400_before_any_output(served):
+    backend, _ = served
+    too_long = encode("word " * 5000)  # longer than the 4096-token KV
+    with pytest.raises(BackendError) as e:
+        await collect(backend, request("big", too_long, 4))
+    assert e.value.status == 400
+    with pytest.raises(BackendError) as e:
+        await collect(backend, request("g", encode("hi"), 4, grammar="{not json"))
+    assert e.value.status == 400
+
+
+async def test_grammar_forces_a_json_object(served):
+    backend, _ = served
+    chunks = await collect(backend, request("j", encode("A person as JSON:"), 40, grammar="{}"))
+    text = "".join(c.text for c in chunks)
+    if chunks[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.lstrip().startswith("{")
+
+
+async def test_early_close_and_cancel_free_the_slot(served):
+    backend, _ = served
+    prompt = encode(PROMPT)
+    gen = backend.generate(request("e1", prompt, 200, ignore_eos=True))
+    async for _ in gen:
+        break
+    await gen.aclose()
+    assert backend.stats().running == 0
+    seen = []
+    async for c in backend.generate(request("e2", prompt, 200, ignore_eos=True)):
+        seen.append(c)
+        if len(seen) == 2:
+            await backend.cancel("e2")
+    assert seen[-1].finish_reason == "cancelled" and len(seen) < 20
+    assert backend.stats().running == 0
+    assert (await collect(backend, request("e3", prompt, 3)))[-1].finish_reason == "length"
+
+
+async def test_stats_and_health(served):
+    backend, _ = served
+    s = backend.stats()
+    assert await backend.health() and s.healthy
+    assert s.slots == 2 and s.running == 0 and s.block_size == 16
+    assert s.kv_blocks_total == 4096 // 16 and 0 < s.kv_blocks_used <= s.kv_blocks_total

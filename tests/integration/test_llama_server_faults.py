@@ -1,0 +1,144 @@
+"""A real llama-server that crashes, hangs, or loses its worker: streams end in time, the process comes
+back by itself, and no llama-server outlives the worker that started it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.integration.llama_server_helpers import (
+    collect, encode, llama_server_binary, make_backend, pid_alive, request)
+from workers.protocol import BackendError
+
+PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+
+
+async def wait_until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def test_crash_mid_stream_ends_the_stream_and_the_process_comes_back(tmp_path):
+    events = []
+    backend = make_backend(tmp_path, sink=events.append)
+    await backend.start()
+    try:
+        pid = backend.pids()[0]
+        chunks, killed_at = [], None
+        async for c in backend.generate(request("long", encode(PROMPT), 4000, ignore_eos=True)):
+            chunks.append(c)
+            if len(chunks) == 3:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        ended_after = time.monotonic() - killed_at
+        final = chunks[-1]
+        assert final.finish_reason == "error" and final.error and ended_after < 2.0, (final, ended_after)
+        assert final.usage.completion_tokens >= 3
+        assert any(e.kind == "evicted" for e in events)  # the index hears that the KV is gone
+        # a request sent while it restarts waits for it (or is refused with 503), never hangs
+        await wait_until(lambda: backend.stats().restarts == 1, 5, "noticed")
+        await wait_until(lambda: backend.stats().healthy, 60, "restarted")
+        assert backend.pids()[0] != pid
+        again = await collect(backend, request("after", encode(PROMPT), 4))
+        assert again[-1].finish_reason == "length" and again[-1].usage.completion_tokens == 4
+    finally:
+        await backend.close()
+
+
+async def test_crash_before_the_first_chunk_is_a_503(tmp_path):
+    backend = make_backend(tmp_path)
+    await backend.start()
+    try:
+        long_prompt = encode("The sea was calm that night. " * 300)  # seconds of prefill on a CPU
+        task = asyncio.create_task(collect(backend, request("x", long_prompt, 4)))
+        await wait_until(lambda: backend.stats().running == 1, 5, "sent")
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        os.kill(backend.pids()[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as e:
+            await task
+        assert e.value.status == 503 and time.monotonic() - t0 < 2.0
+    finally:
+        await backend.close()
+
+
+async def test_hung_process_times_out_then_is_replaced(tmp_path):
+    backend = make_backend(tmp_path, headers_timeout_s=2.0)
+    await backend.start()
+    pid = backend.pids()[0]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as e:
+            await collect(backend, request("hang", encode(PROMPT), 4))
+        waited = time.monotonic() - t0
+        assert e.value.status == 503 and 1.5 < waited < 4.0, (e.value, waited)
+        # /health does not answer either, so the hung process is killed and a new one started
+        await wait_until(lambda: backend.stats().restarts == 1, 10, "killed")
+        await wait_until(lambda: backend.stats().healthy, 60, "restarted")
+        assert not pid_alive(pid)
+        chunks = await collect(backend, request("ok", encode(PROMPT), 4))
+        assert chunks[-1].finish_reason == "length"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await backend.close()
+
+
+async def test_close_leaves_no_process_and_is_idempotent(tmp_path):
+    backend = make_backend(tmp_path)
+    await backend.start()
+    pid = backend.pids()[0]
+    assert pid_alive(pid) and os.getpgid(pid) == pid  # its own process group
+    await backend.close()
+    await backend.close()
+    assert not pid_alive(pid)
+    assert not await backend.health()
+
+
+WORKER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from tests.integration.llama_server_helpers import make_backend
+
+    async def main():
+        backend = make_backend(Path(sys.argv[1]))
+        await backend.start()
+        print(backend.pids()[0], flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def test_llama_server_dies_with_a_killed_worker(tmp_path):
+    """SIGKILL the worker (no cleanup code runs): the kernel takes llama-server down too (PDEATHSIG)."""
+    llama_server_binary()  # skip cleanly when not built
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    try:
+        line = worker.stdout.readline()
+        assert line.strip().isdigit(), f"worker did not start llama-server (exit {worker.poll()})"
+        pid = int(line)
+        assert pid_alive(pid)
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 5
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(pid)
+    finally:
+        worker.kill()
+        worker.wait()

@@ -1,0 +1,49 @@
+"""llama-server argv building: renamed flags respelled, unknown ones dropped (pure)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from policy.profiles import builtin_profiles
+from workers.llama_server.flags import adapt, group_args, server_argv, spelling
+from workers.llama_server.lane import policy_k
+
+NEW = frozenset({"-m", "--host", "--port", "-np", "-c", "--kv-unified", "--slots", "--no-ui", "-t", "-fa",
+                 "--flash-attn", "--metrics", "--cache-ram", "-ub", "--spec-draft-model", "-md",
+                 "--spec-draft-n-max"})
+OLD = frozenset({"-m", "--host", "--port", "-np", "-c", "-fa", "--metrics", "--model-draft", "-md",
+                 "--draft-max", "--no-webui"})
+
+
+def test_group_args_keeps_negative_values():
+    assert group_args(["-fa", "on", "--metrics", "--cache-ram", "-1"]) == [
+        ("-fa", ["on"]), ("--metrics", []), ("--cache-ram", ["-1"])]
+
+
+def test_spelling_follows_the_binary():
+    assert spelling("--draft-max", NEW) == "--spec-draft-n-max"
+    assert spelling("--spec-draft-n-max", OLD) == "--draft-max"
+    assert spelling("--no-ui", OLD) == "--no-webui"
+    assert spelling("--bogus", NEW) is None
+
+
+def test_adapt_drops_unknown_flags_with_their_values():
+    assert adapt(["--cache-ram", "-1", "--metrics"], OLD) == ["--metrics"]
+
+
+def test_server_argv_new_and_old_binaries():
+    kw = dict(model="/m.gguf", port=1234, slots=4, kv_tokens=8192, profile_args=["-fa", "on", "--metrics"],
+              draft_model="/d.gguf", draft_max=3, extra_args=["--foo"])
+    new = server_argv(Path("/bin/ls"), NEW, **kw)
+    assert new[0] == "/bin/ls" and new[-1] == "--foo"
+    assert " ".join(new).count("--host 127.0.0.1 --port 1234") == 1
+    assert "--spec-draft-model /d.gguf --spec-draft-n-max 3" in " ".join(new)
+    old = server_argv(Path("/bin/ls"), OLD, **kw)
+    assert "--model-draft /d.gguf --draft-max 3" in " ".join(old) and "--kv-unified" not in old
+
+
+def test_policy_k_from_the_gb10_table():
+    gb10 = builtin_profiles()["gb10"]
+    assert policy_k(gb10, 2000, 1) == 4
+    assert policy_k(gb10, 12000, 1) == 2
+    assert policy_k(gb10, 20000, 1) == 0
+    assert policy_k(gb10, 2000, 16) == 0

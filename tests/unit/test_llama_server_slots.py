@@ -1,0 +1,78 @@
+"""Slot choice for prefix affinity and the block events it publishes (pure, no process)."""
+from __future__ import annotations
+
+from cache.hashing import chain_hashes
+from workers.llama_server.slots import SlotTable, common_prefix
+
+A = list(range(100, 164))  # 4 blocks of 16
+B = list(range(500, 548))  # 3 blocks
+
+
+def table(n=2):
+    events = []
+    return SlotTable(n, 16, events.append), events
+
+
+def test_common_prefix():
+    assert common_prefix(A, A) == 64
+    assert common_prefix(A, A[:10] + [0]) == 10
+    assert common_prefix(list(range(1000)), list(range(999)) + [5]) == 999
+    assert common_prefix([], A) == 0
+
+
+def test_empty_slots_first_then_longest_prefix_then_lru():
+    t, _ = table(3)
+    assert t.choose(A) == 0
+    t.release(0, t.acquire(0, A), [7, 8])
+    assert t.choose(B) == 1  # no shared block: an empty slot, not slot 0's cache
+    t.release(1, t.acquire(1, B), [9])
+    assert t.choose(A + [1, 2]) == 0 and t.choose(B[:20]) == 1
+    assert t.choose(A[:10]) == 2  # shares less than a block with slot 0: not worth its cache
+
+
+def test_busy_slots_are_not_chosen():
+    t, _ = table(2)
+    t.acquire(0, A)
+    assert t.choose(A) == 1
+    t.acquire(1, B)
+    assert t.choose(A) is None
+
+
+def test_block_events_added_extended_and_evicted():
+    t, events = table(1)
+    e = t.acquire(0, A)
+    assert events == [events[0]] and events[0].kind == "added" and events[0].hashes == chain_hashes(A, 16)
+    gen = list(range(900, 920))  # 20 generated: 19 were evaluated -> one more full block (64 + 19 = 83)
+    t.release(0, e, gen)
+    assert events[-1].kind == "added" and events[-1].hashes == chain_hashes(A + gen, 16)[4:5]
+    events.clear()
+    t.release(0, t.acquire(0, A[:32] + B), [])
+    kinds = {ev.kind: ev.hashes for ev in events}
+    assert kinds["evicted"] == chain_hashes(A + gen, 16)[2:]
+    assert kinds["added"] == chain_hashes(A[:32] + B, 16)[2:]
+
+
+def test_shared_blocks_stay_until_no_slot_holds_them():
+    t, events = table(2)
+    t.release(0, t.acquire(0, A), [])
+    t.release(1, t.acquire(1, A), [])
+    assert [ev.kind for ev in events] == ["added"]  # the second slot adds nothing new to the index
+    t.acquire(0, B)
+    assert all(ev.kind == "added" for ev in events)  # slot 1 still holds A
+    t.acquire(1, B)
+    assert events[-1].kind == "evicted" and events[-1].hashes == chain_hashes(A, 16)
+
+
+def test_reset_evicts_everything_and_ignores_stale_releases():
+    t, events = table(2)
+    e = t.acquire(0, A)
+    t.reset()
+    assert events[-1].kind == "evicted" and set(events[-1].hashes) == set(chain_hashes(A, 16))
+    t.release(0, e, [1, 2, 3])
+    assert t.slots[0].tokens == [] and t.used_blocks() == 0
+
+
+def test_failed_request_forgets_the_slot():
+    t, events = table(1)
+    t.release(0, t.acquire(0, A), [], failed=True)
+    assert t.slots[0].tokens == [] and events[-1].kind == "evicted" and not t.slots[0].busy

@@ -1,0 +1,119 @@
+"""llama-server's native /completion API as Pulse uses it: the request body and the streamed events.
+
+Pulse sends the gateway's token ids as the prompt (no second tokenization) and reads usage from the
+final event's `timings`, never by counting events: one event can carry several tokens (speculation).
+"""
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from workers.protocol import BackendError, GenerateRequest, TokenLogprob, Usage
+
+
+class Timings(msgspec.Struct):
+    cache_n: int = 0  # prompt tokens reused from the slot's KV
+    prompt_n: int = 0  # prompt tokens evaluated now
+    predicted_n: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+
+
+class TopLogprob(msgspec.Struct):
+    id: int
+    logprob: float = 0.0
+
+
+class TokenProbs(msgspec.Struct):
+    id: int
+    logprob: float = 0.0
+    top_logprobs: list[TopLogprob] = []
+
+
+class Event(msgspec.Struct):
+    """One `data:` line of the stream (partial or final); unknown fields are ignored."""
+
+    content: str = ""
+    tokens: list[int] = []
+    stop: bool = False
+    stop_type: str = ""
+    id_slot: int = -1
+    timings: Timings | None = None
+    tokens_cached: int = 0
+    tokens_evaluated: int = 0
+    tokens_predicted: int = 0
+    completion_probabilities: list[TokenProbs] | None = None
+    error: dict | None = None
+
+
+decode_event = msgspec.json.Decoder(Event).decode
+_encode = msgspec.json.Encoder().encode
+FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+# Fields of the final event Pulse reads: the rest (generation settings, the prompt as text) is not sent.
+RESPONSE_FIELDS = ["content", "tokens", "stop", "stop_type", "id_slot", "timings", "tokens_cached",
+                   "tokens_evaluated", "tokens_predicted", "completion_probabilities"]
+
+
+def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
+    s = req.sampling
+    body: dict = {
+        "prompt": req.prompt_ids,
+        "n_predict": req.max_tokens,
+        "stream": True,
+        "cache_prompt": True,
+        "return_tokens": True,
+        "id_slot": -1 if id_slot is None else id_slot,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,  # llama-server's own default is 0.05: always send Pulse's
+        "response_fields": RESPONSE_FIELDS,
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if req.stop:
+        body["stop"] = req.stop
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    if req.logprobs is not None:
+        body["n_probs"] = max(1, req.logprobs)  # 0 alternatives still needs the chosen token's logprob
+    if req.grammar is not None:
+        body["json_schema"] = _schema(req.grammar)
+    return _encode(body)
+
+
+def _schema(grammar: str) -> dict:
+    try:
+        schema = json.loads(grammar)
+    except ValueError as e:
+        raise BackendError(f"grammar is not a JSON schema: {e}", 400, "invalid_request_error") from None
+    return schema or {"type": "object"}  # "{}" means any JSON object
+
+
+def logprobs_of(ev: Event, n: int) -> list[TokenLogprob] | None:
+    if ev.completion_probabilities is None:
+        return None
+    return [TokenLogprob(token_id=p.id, logprob=p.logprob, top=[(t.id, t.logprob) for t in p.top_logprobs[:n]])
+            for p in ev.completion_probabilities]
+
+
+def usage_of(ev: Event, prompt_tokens: int) -> Usage:
+    t = ev.timings or Timings()
+    return Usage(prompt_tokens=ev.tokens_evaluated or prompt_tokens, completion_tokens=t.predicted_n, cached_tokens=t.cache_n,
+                 drafted_tokens=t.draft_n, accepted_tokens=t.draft_n_accepted)
+
+
+def error_of(status: int, body: bytes) -> BackendError:
+    """llama-server's error body ({"error": {"code", "message", "type"}}) as a BackendError."""
+    try:
+        err = json.loads(body).get("error", {})
+        message, kind = str(err.get("message", "")), str(err.get("type", ""))
+    except (ValueError, AttributeError):
+        message, kind = body[:500].decode(errors="replace"), ""
+    if 400 <= status < 500:
+        # The gateway validated the request, so a 4xx here is a limit of this backend (e.g. context size).
+        return BackendError(f"llama-server: {message}", 400, kind or "invalid_request_error")
+    return BackendError(f"llama-server answered {status}: {message}", 503, "backend_unavailable")

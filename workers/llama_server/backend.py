@@ -1,0 +1,250 @@
+"""The managed llama-server as a Pulse Backend (contract: workers/protocol/__init__.py).
+
+Each request goes to llama-server's native /completion endpoint as the gateway's token ids, with
+`cache_prompt` and a slot chosen for prefix affinity, streamed back event by event. Faults:
+- the process dies: its sockets close, so every in-flight stream ends at once (an error chunk, or
+  BackendError 503 before the first chunk); the supervisor restarts it with backoff;
+- the process hangs: no response headers within `headers_timeout_s` (or no event for
+  `stream_idle_timeout_s`) is the same error; if /health does not answer either, the process is
+  killed and restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+
+from workers.llama_server import api
+from workers.llama_server.binary import find_llama_server
+from workers.llama_server.lane import Lane, build_lanes, choose_lane
+from workers.protocol import Backend, BackendError, BackendStats, Chunk, GenerateRequest, Usage
+from workers.protocol.model import cache_root
+
+log = logging.getLogger("pulse.llama_server")
+_CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+class _Flight:
+    __slots__ = ("lane", "resp", "cancelled")
+
+    def __init__(self, lane: Lane):
+        self.lane, self.resp, self.cancelled = lane, None, False
+
+
+class LlamaServerBackend(Backend):
+    name = "llama-server"
+
+    def __init__(self, config, profile, model, block_sink=None, worker_id: str = "w0"):
+        self.cfg = config.workers.llama_server
+        self.profile, self.model, self.worker_id = profile, model, worker_id
+        self.block_size = config.workers.engine.block_size  # the prefix-hash block the router uses
+        self.block_sink = block_sink
+        self.lanes: list[Lane] = []
+        self._flights: dict[str, _Flight] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._probes: set[asyncio.Task] = set()
+        self._done: deque[tuple[float, int, int]] = deque(maxlen=4096)  # (time, generated, prefilled)
+        self._closed = False
+
+    async def start(self) -> None:
+        binary = find_llama_server(self.cfg.binary)
+        log_dir = Path(self.cfg.log_dir).expanduser() if self.cfg.log_dir else cache_root() / "logs"
+        self.lanes = build_lanes(self.cfg, self.profile, self.model.path, binary, self.block_size,
+                                 log_dir, self.worker_id, self.block_sink)
+        for lane in self.lanes:
+            lane.on_crash = self._on_crash
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.cfg.stream_idle_timeout_s)
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        try:
+            await asyncio.gather(*(lane.process.start() for lane in self.lanes))
+        except BaseException:
+            await self.close()
+            raise
+        log.info("llama-server %s ready: %s", self.worker_id,
+                 ", ".join(f"{lane.name} pid {lane.process.pid} at {lane.process.url}" for lane in self.lanes))
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        if self._closed or not self.lanes:
+            raise BackendError("llama-server backend is not running", 503)
+        if request.request_id in self._flights:
+            raise BackendError(f"request id {request.request_id!r} is already running", 409, "conflict")
+        lane = choose_lane(self.lanes, self.profile, len(request.prompt_ids), request.max_draft_tokens)
+        await self._wait_ready(lane)
+        prompt = request.prompt_ids
+        slot = lane.slots.choose(prompt)
+        epoch = lane.slots.acquire(slot, prompt) if slot is not None else -1
+        flight = self._flights[request.request_id] = _Flight(lane)
+        lane.running += 1
+        generated: list[int] = []
+        stop_ids = set(request.stop_token_ids)
+        started = failed = False
+        try:
+            flight.resp = resp = await self._open(lane, request, slot)
+            while True:
+                ev = await self._next_event(resp)
+                if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which
+                    slot = ev.id_slot
+                    epoch = lane.slots.acquire(slot, prompt)
+                if ev.error is not None:
+                    raise ConnectionError(f"llama-server error: {ev.error.get('message', ev.error)}")
+                if stop_ids and (cut := _stop_cut(ev.tokens, stop_ids)) is not None:
+                    generated += ev.tokens[: cut + 1]
+                    text = ev.content if cut > 0 else ""  # an event is one token unless speculating
+                    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+                    yield Chunk(text=text, token_ids=ev.tokens[:cut], finish_reason="stop", usage=usage)
+                    return
+                generated += ev.tokens
+                logprobs = api.logprobs_of(ev, request.logprobs or 0)
+                if ev.stop:
+                    self._record(ev)
+                    yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs,
+                                finish_reason=api.FINISH.get(ev.stop_type, "stop"),
+                                usage=api.usage_of(ev, len(prompt)))
+                    return
+                if ev.content or ev.tokens:
+                    started = True
+                    yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs)
+        except BackendError:
+            failed = True
+            raise
+        except _CONNECTION_ERRORS as e:
+            usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+            if flight.cancelled:
+                yield Chunk(finish_reason="cancelled", usage=usage)
+                return
+            message = self._failure(lane, e)
+            failed = True
+            if not started:
+                raise BackendError(message, 503) from None
+            yield Chunk(finish_reason="error", error=message, usage=usage)
+        finally:
+            if flight.resp is not None:
+                flight.resp.close()  # closing the connection makes llama-server cancel the task
+            lane.running -= 1
+            self._flights.pop(request.request_id, None)
+            if slot is not None:
+                lane.slots.release(slot, epoch, generated, failed)
+
+    async def _wait_ready(self, lane: Lane) -> None:
+        if lane.ready:
+            return
+        try:
+            await asyncio.wait_for(lane.process.ready.wait(), self.cfg.headers_timeout_s)
+        except asyncio.TimeoutError:
+            raise BackendError("llama-server is restarting", 503) from None
+
+    async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None) -> aiohttp.ClientResponse:
+        body = api.request_body(request, slot)
+        try:
+            async with asyncio.timeout(self.cfg.headers_timeout_s):
+                resp = await self._session.post(lane.process.url + "/completion", data=body,
+                                                headers={"Content-Type": "application/json"})
+        except TimeoutError:
+            raise asyncio.TimeoutError(f"no response headers within {self.cfg.headers_timeout_s:.1f} s") from None
+        if resp.status != 200:
+            try:
+                raise api.error_of(resp.status, await resp.read())
+            finally:
+                resp.close()
+        return resp
+
+    async def _next_event(self, resp: aiohttp.ClientResponse) -> api.Event:
+        while True:
+            line = await resp.content.readuntil(b"\n", max_size=1 << 26)
+            if not line:
+                raise ConnectionError("llama-server closed the stream before its final event")
+            if line.startswith(b"data: "):
+                return api.decode_event(line[6:])
+            if line.startswith(b"error: "):
+                raise ConnectionError(f"llama-server error: {line[7:].decode(errors='replace').strip()}")
+
+    def _failure(self, lane: Lane, e: BaseException) -> str:
+        """Describe a failed stream; if it looks like a hang, check /health and kill a hung process."""
+        if isinstance(e, asyncio.TimeoutError):
+            task = asyncio.create_task(self._probe(lane))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+            return f"llama-server timed out ({e or 'no event within stream_idle_timeout_s'})"
+        if not lane.ready:
+            return "llama-server process died"
+        return f"llama-server connection failed: {type(e).__name__}: {e}"
+
+    async def _probe(self, lane: Lane) -> None:
+        proc = lane.process
+        pid = proc.pid
+        try:
+            async with self._session.get(proc.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                await r.read()
+                return
+        except _CONNECTION_ERRORS:
+            pass
+        if pid is not None and proc.pid == pid:  # still the same (hung) process: kill it, it restarts
+            log.error("%s pid %d does not answer /health: killing it", lane.name, pid)
+            proc.kill_now()
+
+    def _on_crash(self, lane: Lane, returncode: int) -> None:
+        for flight in self._flights.values():
+            if flight.lane is lane and flight.resp is not None:
+                flight.resp.close()  # its socket is closed already; this makes sure the reader wakes now
+
+    def _record(self, ev: api.Event) -> None:
+        if ev.timings is not None:
+            self._done.append((time.monotonic(), ev.timings.predicted_n, ev.timings.prompt_n))
+
+    # -- the rest of the contract --------------------------------------------------------------------
+
+    async def cancel(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            flight.cancelled = True
+            if flight.resp is not None:
+                flight.resp.close()
+
+    async def health(self) -> bool:
+        return not self._closed and any(lane.ready for lane in self.lanes)
+
+    def stats(self) -> BackendStats:
+        now = time.monotonic()
+        window = [(t, g, p) for t, g, p in self._done if now - t <= 10.0]
+        slots = sum(len(lane.slots.slots) for lane in self.lanes) or 1
+        running = sum(lane.running for lane in self.lanes)
+        kv_tokens = self.cfg.kv_tokens or self.profile.kv_cache_tokens
+        return BackendStats(
+            running=min(running, slots), waiting=max(0, running - slots), slots=slots,
+            kv_blocks_total=len(self.lanes) * kv_tokens // self.block_size,
+            kv_blocks_used=sum(lane.slots.used_blocks() for lane in self.lanes),
+            block_size=self.block_size,
+            tokens_per_s=sum(g for _, g, _ in window) / 10.0,
+            prefill_tokens_per_s=sum(p for _, _, p in window) / 10.0,
+            restarts=sum(lane.process.restarts for lane in self.lanes),
+            healthy=not self._closed and any(lane.ready for lane in self.lanes))
+
+    def pids(self) -> list[int]:
+        return [lane.process.pid for lane in self.lanes if lane.process.pid is not None]
+
+    async def close(self) -> None:
+        self._closed = True
+        for request_id in list(self._flights):
+            await self.cancel(request_id)
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*(lane.process.stop() for lane in self.lanes), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _stop_cut(tokens: list[int], stop_ids: set[int]) -> int | None:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return i
+    return None

@@ -1,0 +1,90 @@
+"""A lane: one llama-server process with its slot table, plus the choice of lane by speculation depth K.
+
+llama-server compiles per-request speculation parameters out (`#if 0` upstream), so K is fixed per
+process. With a drafter configured, the worker runs two lanes on the device: one with the drafter, one
+without, and sends each request to the lane its K asks for (K = 0: the plain lane).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from policy.profiles import DeviceProfile
+from workers.llama_server import flags
+from workers.llama_server.process import LlamaServerProcess
+from workers.llama_server.slots import SlotTable
+
+log = logging.getLogger("pulse.llama_server")
+
+
+class Lane:
+    def __init__(self, name: str, argv_for, *, slots: int, block_size: int, log_path: Path, cfg, sink):
+        self.name = name
+        self.slots = SlotTable(slots, block_size, sink)
+        self.running = 0
+        self.process = LlamaServerProcess(
+            argv_for, name=name, log_path=log_path, startup_timeout_s=cfg.startup_timeout_s,
+            backoff_max_s=cfg.restart_backoff_max_s, stop_grace_s=cfg.stop_grace_s, on_exit=self._on_exit)
+        self.on_crash = None  # set by the backend: fail this lane's in-flight streams at once
+
+    def _on_exit(self, returncode: int) -> None:
+        self.slots.reset()  # its KV is gone: tell the index, and ignore releases from before the crash
+        if self.on_crash is not None:
+            self.on_crash(self, returncode)
+
+    @property
+    def ready(self) -> bool:
+        return self.process.ready.is_set()
+
+
+def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, block_size: int,
+                log_dir: Path, worker_id: str, sink) -> list[Lane]:
+    """The plain lane, and a drafter lane when a drafter is configured (first: the default lane)."""
+    supported = flags.supported_flags(binary)
+    slots = cfg.slots or profile.llama_server_slots
+    kv_tokens = cfg.kv_tokens or profile.kv_cache_tokens
+    k = profile.max_draft_tokens if cfg.draft_max is None else cfg.draft_max
+
+    def argv(draft: bool):
+        def argv_for(port: int) -> list[str]:
+            return flags.server_argv(
+                binary, supported, model=model_path, port=port, slots=slots, kv_tokens=kv_tokens,
+                profile_args=profile.llama_server_args, threads=cfg.threads,
+                draft_model=cfg.draft_model if draft else None, draft_max=k, extra_args=cfg.extra_args)
+        return argv_for
+
+    def lane(name: str, draft: bool) -> Lane:
+        return Lane(name, argv(draft), slots=slots, block_size=block_size,
+                    log_path=log_dir / f"llama-server-{worker_id}-{name}.log", cfg=cfg, sink=sink)
+
+    if not cfg.draft_model or k == 0:
+        return [lane("plain", False)]
+    if not cfg.plain_process:
+        return [lane("spec", True)]
+    return [lane("spec", True), lane("plain", False)]
+
+
+def policy_k(profile: DeviceProfile, context_tokens: int, concurrency: int) -> int:
+    """K from the profile's table: the first rule whose context and concurrency bounds hold (else 0)."""
+    for rule in profile.speculation:
+        if rule.workload is None and context_tokens < rule.max_context and concurrency <= rule.max_concurrency:
+            return min(rule.k, profile.max_draft_tokens)
+    return 0
+
+
+def choose_lane(lanes: list[Lane], profile: DeviceProfile, context_tokens: int, max_draft_tokens: int | None) -> Lane:
+    """The drafter lane when the policy's K (lowered by the request's max_draft_tokens) is above 0."""
+    if len(lanes) == 1:
+        return lanes[0]
+    spec, plain = lanes
+    concurrency = spec.running + plain.running + 1
+    k = policy_k(profile, context_tokens, concurrency)
+    if max_draft_tokens is not None:
+        k = min(k, max_draft_tokens)
+    lane = spec if k > 0 else plain
+    # A lane that is restarting should not fail a request the other lane can serve.
+    if not lane.ready:
+        other = plain if lane is spec else spec
+        if other.ready:
+            return other
+    return lane
