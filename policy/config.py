@@ -71,6 +71,23 @@ class LlamaServerConfig(PulseModel):
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments, appended last.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Time allowed for /health to turn 200 after start.")
     headers_timeout_s: float = Field(30.0, gt=0, description="Time allowed for llama-server's response headers.")
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Longest gap between two streamed events before the process counts as hung."
+    )
+    slots: int | None = Field(None, ge=1, description="-np (sequences at once); empty: the profile's llama_server_slots.")
+    kv_tokens: int | None = Field(
+        None, ge=16, description="-c, the KV cache in tokens shared by all slots; empty: the profile's kv_cache_tokens."
+    )
+    threads: int | None = Field(None, ge=1, description="-t CPU threads; empty: llama-server's default.")
+    draft_model: str | None = Field(None, description="GGUF of a drafter model (speculative decoding); empty: none.")
+    draft_max: int | None = Field(None, ge=0, description="Draft tokens per step with a drafter; empty: profile max K.")
+    plain_process: bool = Field(
+        True, description="With a drafter, also run a process without it for requests whose K is 0 (2x the weights "
+        "and KV on a GPU; see workers/llama_server/README.md)."
+    )
+    log_dir: str | None = Field(None, description="Where llama-server's output is written; empty: <cache>/logs.")
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between restarts of a dead process.")
+    stop_grace_s: float = Field(5.0, ge=0, description="Time between SIGTERM and SIGKILL when stopping the process.")
 
 
 class WorkersConfig(PulseModel):
