@@ -71,9 +71,17 @@ async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: boo
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=5, graceful_shutdown_timeout_s=30)
 class GatewayIngress:
-    async def __init__(self, config_json: str, worker_names: list[str]):
+    """`worker_names`: worker actors started by `pulse serve`; or `supervisor`: a handle to the deployment
+    that owns the workers (pulse/serve_app.py, for `serve run` / `serve deploy` / KubeRay)."""
+
+    async def __init__(self, config_json: str, worker_names: list[str] | None = None, supervisor=None):
         config = PulseConfig.model_validate_json(config_json)
-        self.gateway = build_gateway(config, ray_discover(worker_names))
+        if supervisor is not None:
+            async def discover(worker_id: str | None) -> list[WorkerInfo]:
+                return await supervisor.discover.remote(worker_id)
+        else:
+            discover = ray_discover(worker_names or [])
+        self.gateway = build_gateway(config, discover)
         self.runner, self.port = await run_gateway(self.gateway, config.server.host, config.server.port)
         log.info("gateway replica serving on %s:%d", config.server.host, self.port)
 

@@ -22,7 +22,7 @@ def worker_count(config: PulseConfig, gpus: float) -> int:
     return config.workers.count or max(1, int(gpus))
 
 
-def start_workers(config: PulseConfig, gpus: float) -> tuple[list, list[str]]:
+def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> tuple[list, list[str]]:
     import ray
 
     from workers.actor import WorkerActor
@@ -36,7 +36,7 @@ def start_workers(config: PulseConfig, gpus: float) -> tuple[list, list[str]]:
     actors = [
         cls.options(name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=per_worker_gpu,
                     resources=dict(config.workers.resources), max_restarts=config.workers.restart_max,
-                    max_concurrency=10_000, get_if_exists=False).remote(cfg_json, name, bind)
+                    max_concurrency=10_000, get_if_exists=reuse).remote(cfg_json, name, bind)
         for name in names
     ]
     return actors, names
