@@ -1,0 +1,95 @@
+"""The gateway's admission queue around the pure policy.admission decision.
+
+    gate = AdmissionGate(cfg.admission)
+    decision = await gate.enter(route, priority)      # route: async () -> (WorkerLoad | None, AdmissionRequest)
+    if decision.action == "reject": raise APIError(decision.status, decision.message, code=decision.code,
+                                                   headers={"Retry-After": str(decision.retry_after_s)} if ...)
+    try: ... send to the worker routing chose in its last `route()` call ...
+    finally: gate.leave()                             # a request finished: measure the drain rate, wake the queue
+
+`enter` calls `route()` (route + look up the target's load), asks `admit`, and while the answer is
+"queue" it waits in priority order (then arrival order) until `leave()` frees capacity, the poll
+interval passes (other gateways' requests finish too), or the deadline passes (then the 429 from
+`expired`). Each wake calls `route()` again, so a queued request may go to whichever worker freed up.
+Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from policy.admission import DrainRate, admit, expired
+from policy.config import AdmissionConfig
+from policy.types import AdmissionDecision, AdmissionRequest, QueueState, WorkerLoad
+
+Route = Callable[[], Awaitable[tuple[WorkerLoad | None, AdmissionRequest]]]
+
+
+class AdmissionGate:
+    def __init__(self, cfg: AdmissionConfig, *, poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.poll_s = poll_s
+        self._clock = clock
+        self._drain = DrainRate()
+        self._waiters: list[tuple[int, int, asyncio.Event]] = []  # heap of (-priority, arrival, wake-up)
+        self._order = itertools.count()
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiters)
+
+    def drain_rate(self) -> float:
+        return self._drain.rate(self._clock())
+
+    def leave(self) -> None:
+        """A request finished (or was handed to its worker's own queue): wake the head of the queue."""
+        self._drain.record(self._clock())
+        if self._waiters:
+            self._waiters[0][2].set()
+
+    async def enter(self, route: Route, priority: int = 0) -> AdmissionDecision:
+        target, request = await route()
+        decision = admit(target, request, self._state(ahead_of=None), self.cfg)
+        if decision.action != "queue":
+            return decision
+        entry = (-priority, next(self._order), asyncio.Event())
+        heapq.heappush(self._waiters, entry)
+        deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
+        try:
+            return await self._wait(entry, route, deadline)
+        finally:
+            self._remove(entry)
+            if self._waiters:
+                self._waiters[0][2].set()  # the next one re-checks: capacity may remain
+
+    async def _wait(self, entry, route: Route, deadline: float) -> AdmissionDecision:
+        while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                return expired(self._state(ahead_of=None), self.cfg)
+            entry[2].clear()
+            try:
+                async with asyncio.timeout(min(left, self.poll_s)):
+                    await entry[2].wait()
+            except TimeoutError:
+                pass
+            target, request = await route()
+            decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
+            if decision.action != "queue":
+                return decision
+
+    def _state(self, ahead_of) -> QueueState:
+        """The queue as `admit` sees it: everyone queued (a newcomer), or only those ahead of `ahead_of`."""
+        waiting = self._waiters if ahead_of is None else [e for e in self._waiters if e[:2] < ahead_of[:2]]
+        return QueueState(Counter(-e[0] for e in waiting), self.drain_rate())
+
+    def _remove(self, entry) -> None:
+        try:
+            self._waiters.remove(entry)
+        except ValueError:
+            return
+        heapq.heapify(self._waiters)

@@ -1,0 +1,94 @@
+"""gateway.admission_gate: the asyncio queue around policy.admission, on a simulated worker's slots."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission_gate import AdmissionGate
+from policy.config import AdmissionConfig
+from policy.types import AdmissionRequest, WorkerLoad
+
+
+class Worker:
+    """A worker with `slots` slots; `running` is what the gateway has sent it."""
+
+    def __init__(self, slots: int):
+        self.slots, self.running, self.peak = slots, 0, 0
+
+    def route(self, priority: int = 0):
+        async def route():
+            load = WorkerLoad("w", slots=self.slots, inflight=self.running)
+            return load, AdmissionRequest(10, 10, priority=priority)
+
+        return route
+
+
+async def serve(gate: AdmissionGate, worker: Worker, order: list, name: str, priority: int = 0, hold_s=0.02):
+    d = await gate.enter(worker.route(priority), priority)
+    if d.action != "admit":
+        order.append((name, d.status))
+        return d
+    worker.running += 1  # before any await: the next waiter must see it
+    worker.peak = max(worker.peak, worker.running)
+    order.append((name, 200))
+    try:
+        await asyncio.sleep(hold_s)
+    finally:
+        worker.running -= 1
+        gate.leave()
+    return d
+
+
+async def test_queue_holds_slots_and_serves_by_priority():
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=10), poll_s=1.0)
+    worker, order = Worker(slots=2), []
+    first = [asyncio.create_task(serve(gate, worker, order, f"a{i}", hold_s=0.05)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    later = [asyncio.create_task(serve(gate, worker, order, f"low{i}", priority=-1)) for i in range(2)]
+    await asyncio.sleep(0.005)
+    later += [asyncio.create_task(serve(gate, worker, order, f"high{i}", priority=5)) for i in range(2)]
+    await asyncio.sleep(0.005)
+    assert gate.depth == 4
+    await asyncio.gather(*first, *later)
+    assert worker.peak == 2 and gate.depth == 0
+    assert [n for n, _ in order] == ["a0", "a1", "high0", "high1", "low0", "low1"]
+    assert {s for _, s in order} == {200}
+    assert gate.drain_rate() > 0
+
+
+async def test_deadline_gives_429_with_retry_after():
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_deadline_s=0.1), poll_s=0.02)
+    worker, order = Worker(slots=1), []
+    hog = asyncio.create_task(serve(gate, worker, order, "hog", hold_s=0.5))
+    await asyncio.sleep(0.01)
+    d = await gate.enter(worker.route())
+    assert (d.action, d.status, d.code) == ("reject", 429, "server_overloaded") and d.retry_after_s >= 1
+    assert gate.depth == 0
+    await hog
+
+
+async def test_full_queue_rejects_at_once_and_cancel_leaves_the_queue():
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=1), poll_s=1.0)
+    worker, order = Worker(slots=1), []
+    hog = asyncio.create_task(serve(gate, worker, order, "hog", hold_s=0.2))
+    await asyncio.sleep(0.01)
+    waiter = asyncio.create_task(gate.enter(worker.route()))
+    await asyncio.sleep(0.01)
+    d = await asyncio.wait_for(gate.enter(worker.route()), 0.05)
+    assert (d.action, d.status) == ("reject", 429)
+    waiter.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert gate.depth == 0
+    await hog
+
+
+async def test_no_worker_is_503_without_queueing():
+    gate = AdmissionGate(AdmissionConfig())
+
+    async def nowhere():
+        return None, AdmissionRequest(10, 10)
+
+    d = await gate.enter(nowhere)
+    assert (d.action, d.status, d.code) == ("reject", 503, "no_healthy_worker") and gate.depth == 0
