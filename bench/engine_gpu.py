@@ -101,6 +101,68 @@ def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int)
     return out
 
 
+def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
+    """Device time per op kind for one eager step (a prefill of n_seqs x prompt_len tokens, or one decode token
+    per sequence after it), launches queued behind a spin kernel so that they run back to back (the events
+    then time kernels, not Python's launch gaps)."""
+    from workers.cupy.gpu.gemma3 import Workspace
+
+    ws, args, tables = runner_setup(model, kv, n_seqs, prompt_len, -(-(prompt_len + 1) // BS))
+    model.run(ws, *args, kv, BS)  # the prompt's K/V, and a warm-up
+    if decode:
+        p = prompt_len
+        rows = np.arange(n_seqs, dtype=np.int32)
+        slots = tables[:, p // BS].astype(np.int64) * BS + p % BS
+        args = [cp.asarray(a) for a in (np.full(n_seqs, 1000, np.int32), np.full(n_seqs, p, np.int32), slots, rows,
+                                        tables, rows.astype(np.int64))]
+        ws = Workspace.allocate(model.cfg, n_seqs, n_seqs, model.act)
+        model.run(ws, *args, kv, BS)
+    k, blas, marks = model.kernels, model.blas, []
+
+    def wrap(obj, name, label):
+        f = getattr(obj, name)
+
+        def g(*a, **kw):
+            f(*a, **kw)
+            e = cp.cuda.Event()
+            e.record()
+            marks.append((label(*a) if callable(label) else label, e))
+        setattr(obj, name, g)
+
+    for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
+        wrap(k, name, name)
+    wrap(blas, "linear", lambda x, w, out: f"gemm {w.shape[0]}x{w.shape[1]}")
+    try:
+        k.spin(40_000_000)
+        e0 = cp.cuda.Event()
+        e0.record()
+        model.run(ws, *args, kv, BS)
+        cp.cuda.get_current_stream().synchronize()
+    finally:
+        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
+            delattr(k, name)
+        delattr(blas, "linear")
+    totals, prev = {}, e0
+    for label, e in marks:
+        totals[label] = totals.get(label, 0.0) + cp.cuda.get_elapsed_time(prev, e) * 1e3
+        prev = e
+    totals["total"] = sum(totals.values())
+    return {key: round(v, 1) for key, v in totals.items()}
+
+
+def graph_step_us(graphs, n_seqs: int, reps: int = 50) -> float:
+    """Device time of one graph replay (events around `reps` back-to-back replays)."""
+    g = graphs.size_for(n_seqs)
+    graphs.replay(g)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(reps):
+        graphs.replay(g)
+    e1.record()
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": xs}
 
@@ -112,6 +174,7 @@ def main() -> None:
     ap.add_argument("--act", default="float16")
     ap.add_argument("--json")
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-op device time of eager steps")
     a = ap.parse_args()
 
     from workers.cupy.gemma3 import Gemma3Config
@@ -142,6 +205,12 @@ def main() -> None:
         "decode_b1": summary(bench_decode(model, kv, graphs, 1, 1, 128, a.repeats)),
         "decode_b64": summary(bench_decode(model, kv, graphs, 64, 128, 128, a.repeats)),
     }
+    res["graph_step_us_b1"] = graph_step_us(graphs, 1)
+    res["graph_step_us_b64"] = graph_step_us(graphs, 64)
+    if a.profile:
+        res["profile_decode_b1_ctx64"] = profile_step(model, kv, 1, 64, True)
+        res["profile_decode_b64_ctx128"] = profile_step(model, kv, 64, 128, True)
+        res["profile_prefill512"] = profile_step(model, kv, 1, 512, False)
     if not a.no_engine:
         del graphs, kv
         kw = dict(block_size=BS, num_blocks=64 * 20, max_num_seqs=64, max_step_tokens=8192, context_length=1024)
@@ -153,8 +222,10 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     for k, v in res.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "median" in v:
             print(f"{k:20s} median {v['median']:10.1f} tok/s  min {v['min']:10.1f}  max {v['max']:10.1f}  n={v['n']}")
+        elif isinstance(v, dict) or isinstance(v, float):
+            print(f"{k:20s} {v}")
     print(f"setup {setup_s:.1f} s on {res['device']}")
 
 

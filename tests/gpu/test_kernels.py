@@ -119,12 +119,15 @@ def test_gelu_mul(k):
     assert rel(out.get(), OPS.gelu_tanh_mul(gu[:, :f], gu[:, f:])) < 2e-3
 
 
-def test_argmax_rows_first_max(k):
+@pytest.mark.parametrize("two_stage", [False, True])
+def test_argmax_rows_first_max(k, two_stage):
     s, v = 5, 262_144
     logits = RNG.standard_normal((s, v)).astype(np.float32)
-    logits[2, [17, 200_000]] = 100.0  # a tie: the first index wins, as in np.argmax
+    logits[2, [17, 200_000]] = 100.0
+    logits[3, [4095, 4096, 8191]] = 100.0  # ties across stage-1 blocks  # a tie: the first index wins, as in np.argmax
     out = cp.full(s, -1, cp.int32)
-    k.argmax_rows(cp.asarray(logits), out)
+    scratch = [cp.empty((s, 64), cp.float32), cp.empty((s, 64), cp.int32)] if two_stage else [None, None]
+    k.argmax_rows(cp.asarray(logits), out, *scratch)
     assert out.get().tolist() == np.argmax(logits, axis=1).tolist()
 
 

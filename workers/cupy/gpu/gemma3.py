@@ -18,7 +18,7 @@ import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
 from workers.cupy.gpu.cublas import Cublas
-from workers.cupy.gpu.kernels import Kernels
+from workers.cupy.gpu.kernels import Kernels, argmax_chunks
 from workers.cupy.kv_cache import KVStorage
 
 
@@ -52,6 +52,8 @@ class Workspace:
     x_out: cp.ndarray
     logits: cp.ndarray
     chosen: cp.ndarray
+    part_v: cp.ndarray  # argmax stage-1 winners per row
+    part_i: cp.ndarray
 
     @classmethod
     def allocate(cls, c: Gemma3Config, t: int, s: int, act: str) -> Workspace:
@@ -64,6 +66,8 @@ class Workspace:
             gate_up=cp.empty((t, 2 * c.ffn), cp.float32), mlp=cp.empty((t, c.ffn), adt),
             down=cp.empty((t, c.hidden), cp.float32), x_out=cp.empty((s, c.hidden), adt),
             logits=cp.empty((s, c.vocab_size), cp.float32), chosen=cp.empty((s,), cp.int32),
+            part_v=cp.empty((s, argmax_chunks(c.vocab_size)), cp.float32),
+            part_i=cp.empty((s, argmax_chunks(c.vocab_size)), cp.int32),
         )
 
     def view(self, t: int, s: int) -> Workspace:
@@ -139,7 +143,7 @@ class GpuGemma3:
         blas.linear(ws.x_out, self.embed, ws.logits)
         if c.final_softcap:
             ws.logits[...] = cp.tanh(ws.logits / np.float32(c.final_softcap)) * np.float32(c.final_softcap)
-        k.argmax_rows(ws.logits, ws.chosen)
+        k.argmax_rows(ws.logits, ws.chosen, ws.part_v, ws.part_i)
 
     def forward(self, batch, kv: KVStorage):
         """Logits (rows of batch.logits_indices, vocab) for one engine step (workers/cupy/batch.StepBatch)."""

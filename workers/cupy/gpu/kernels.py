@@ -15,6 +15,11 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("kernels.cu")
 NORM_THREADS = 128
 ARGMAX_THREADS = 1024
+ARGMAX_CHUNK = 4096  # as in kernels.cu
+
+
+def argmax_chunks(vocab: int) -> int:
+    return -(-vocab // ARGMAX_CHUNK)
 
 
 @lru_cache(maxsize=None)
@@ -34,7 +39,7 @@ class Kernels:
         self.head_dim, self.group, self.act = head_dim, group, act
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
-            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "prepare", "advance")}
+            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin")}
 
     def embed_norm(self, tok, emb, scale: float, w, eps: float, resid, out):
         t, h = resid.shape
@@ -69,9 +74,18 @@ class Kernels:
         blocks = min((n + 255) // 256, 4096)
         self._f["gelu_mul"]((blocks,), (256,), (gate_up, np.int32(f), np.int64(n), out))
 
-    def argmax_rows(self, logits, out):
+    def argmax_rows(self, logits, out, part_v=None, part_i=None):
+        """First index of each row's maximum; two stages (ARGMAX_CHUNK logits per block) when scratch is given."""
         s, v = logits.shape
-        self._f["argmax_rows"]((s,), (ARGMAX_THREADS,), (logits, np.int32(v), out))
+        if part_v is None or v % 4:
+            self._f["argmax_rows"]((s,), (ARGMAX_THREADS,), (logits, np.int32(v), out))
+            return
+        n = argmax_chunks(v)
+        self._f["argmax_partial"]((n, s), (256,), (logits, np.int32(v), part_v, part_i))
+        self._f["argmax_final"]((s,), (32,), (part_v, part_i, np.int32(n), out))
+
+    def spin(self, ns: int):
+        self._f["spin"]((1,), (1,), (np.int64(ns),))
 
     def prepare(self, pos_in, block_tables, block_size: int, scratch_slot: int, pos, slots):
         n = pos.shape[0]
