@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -27,13 +28,13 @@ from pathlib import Path
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import describe, machine_info
-from bench.procs import Proc, free_port, python_module
+from bench.procs import Proc, cpu_ticks, free_port, python_module
 from pulse import doctor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO = 2.0, 10.0, 0.5
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms", "over_relay_ttft_p50_ms",
-                 "req_s", "req_s_vs_relay", "errors"]
+                 "req_s", "req_s_vs_relay", "path_cpu_ms_per_req", "errors"]
 PLOT_METRICS = ["added_ttft_p50_ms", "added_ttft_p99_ms", "req_s"]
 
 
@@ -103,18 +104,44 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
     return {name: (url, first_model(url)) for name, url in targets.items()}
 
 
+def serving_paths(procs: list[Proc]) -> dict[str, list[Proc]]:
+    """The processes each target's requests go through (started in the order upstream, relay, pulse)."""
+    up, relay, *rest = procs
+    return {"direct": [up], "relay": [relay, up], **({"pulse": rest} if rest else {})}
+
+
 def first_model(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
         return json.load(resp)["data"][0]["id"]
 
 
-def measures(args, targets: dict[str, tuple[str, str]]) -> dict[str, protocol.Measure]:
+def measures(args, targets: dict[str, tuple[str, str]], paths: dict[str, list[Proc]]) -> dict[str, protocol.Measure]:
     out = {}
     for c in args.clients:
         for target, (url, model) in targets.items():
             spec = LoadSpec(url=url, model=model, clients=c, duration=args.duration, requests=args.max_requests,
                             max_tokens=args.tokens, api=args.api)
-            out[config_name(target, c)] = lambda spec=spec: run_load(spec)
+            out[config_name(target, c)] = lambda spec=spec, path=paths[target]: _load_with_cpu(spec, path)
+    return out
+
+
+async def _load_with_cpu(spec: LoadSpec, path: list[Proc]) -> dict:
+    """One load run, plus the CPU time the serving processes spent per served request.
+
+    On a 2-core box req/s is set by CPU cost per request; this says where a slower path spends it.
+    """
+    pids = [pid for proc in path for pid in proc.tree()]
+    before = cpu_ticks(pids)
+    out = await run_load(spec)
+    after = cpu_ticks(pids)
+    ok = out["metrics"]["ok"]
+    scale = 1000.0 / os.sysconf("SC_CLK_TCK") / ok if ok else 0.0
+    by_name: dict[str, float] = {}
+    for pid, (name, ticks) in after.items():
+        if pid in before:
+            by_name[name] = by_name.get(name, 0.0) + (ticks - before[pid][1]) * scale
+    out["metrics"]["path_cpu_ms_per_req"] = sum(by_name.values()) if ok else None
+    out["cpu_ms_per_req_by_process"] = {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
     return out
 
 
@@ -125,8 +152,8 @@ def report(args, records, targets, machine, started) -> dict:
     # rows by client count, then direct / relay / pulse, whatever order the last repeat ran in
     order = [config_name(t, c) for c in args.clients for t in targets]
     summary = {cfg: measured[cfg] for cfg in order if cfg in measured}
-    doc = protocol.result_document("gateway_overhead", records, summary, vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)},
-                                   started, machine)
+    params = vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)}
+    doc = protocol.result_document("gateway_overhead", records, summary, params, started, machine)
     doc["verdict"] = verdict(summary, args.clients)
     table = protocol.markdown_table(summary, TABLE_METRICS)
     paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
@@ -164,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: list[Proc] = []
     try:
         targets = start_targets(args, log_dir, procs)
-        records = loops.run(protocol.run(measures(args, targets), args.repeats, args.warmup, not args.quiet),
-                            args.loop)
+        runs = measures(args, targets, serving_paths(procs))
+        records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
         report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
     finally:
         for proc in reversed(procs):

@@ -61,6 +61,19 @@ def start_time(pid: int) -> int | None:
     return info[2] if info else None
 
 
+def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """{pid: (name, utime + stime in clock ticks)} for the pids still running."""
+    out = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[pid] = (stat[stat.find("(") + 1: stat.rfind(")")], int(fields[11]) + int(fields[12]))
+    return out
+
+
 class Proc:
     """One started process with a log file; use as a context manager or call stop()."""
 
@@ -94,6 +107,10 @@ class Proc:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not healthy at {url} after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def tree(self) -> list[int]:
+        """The main process and its live descendants: whose CPU time a request through it costs."""
+        return [self.popen.pid, *descendants(self.popen.pid)]
 
     def log_tail(self, n: int = 30) -> str:
         self._log.flush()
