@@ -191,9 +191,15 @@ def main() -> None:
     else:  # timing only: the same shapes, random values
         from tests.gpu.test_gemma3_gpu import random_weights
 
-        cfg = Gemma3Config(n_layers=18, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048,
-                           vocab_size=262_144, eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
-        weights, a.no_engine = random_weights(cfg), True
+        from workers.protocol.model import ModelInfo
+
+        hp = {"gemma3.block_count": 18, "gemma3.embedding_length": 640, "gemma3.attention.head_count": 4,
+              "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256,
+              "gemma3.feed_forward_length": 2048, "gemma3.rope.freq_base": 1e6}
+        info = ModelInfo(path="", architecture="gemma3", context_length=32768, vocab_size=262_144, bos_token_id=2,
+                         eos_token_ids=(1,), add_bos=True, chat_template=None, hparams=hp)
+        cfg = Gemma3Config.from_hparams(hp, info.vocab_size)
+        weights = random_weights(cfg)
     t0 = time.perf_counter()
     model = GpuGemma3(cfg, weights, act=a.act, graph_sizes=(1, 64), max_model_len=1024)
     kv = model.kv_storage(64 * 64, BS)
