@@ -84,7 +84,9 @@ class RedisGuard:
         """`call()` within the timeout. `lost_state(result)` True means Redis answered but had lost its
         contents (restarted empty): `on_recovered` fires then too, once."""
         if self._clock() < self._down_until:
-            raise self.error_cls(f"redis unavailable ({what}): a call failed within the last {self.retry_interval_s:g} s")
+            raise self.error_cls(
+                f"redis unavailable ({what}): a call failed within the last {self.retry_interval_s:g} s"
+            )
         try:
             async with asyncio.timeout(timeout_s or self.timeout_s):
                 result = await call()
@@ -99,7 +101,8 @@ class RedisGuard:
     def _trip(self, what: str, error: BaseException) -> None:
         self.failures += 1
         if not self._failed:
-            log.warning("redis %s failed (%s); failing fast for %.1f s", what, type(error).__name__, self.retry_interval_s)
+            log.warning("redis %s failed (%s); failing fast for %.1f s",
+                        what, type(error).__name__, self.retry_interval_s)
         self._failed = True
         self._down_until = self._clock() + self.retry_interval_s
 

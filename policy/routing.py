@@ -44,7 +44,8 @@ def choose_worker(
     if len(healthy) == 1:
         only = healthy[0]
         cached = cached_tokens(only, prefix_hits, request, cfg)
-        return RouteDecision(only.worker_id, "only_worker", cached, _cost(only, cached, False, request, cfg), cfg.strategy)
+        cost = _cost(only, cached, False, request, cfg)
+        return RouteDecision(only.worker_id, "only_worker", cached, cost, cfg.strategy)
     return _STRATEGIES[cfg.strategy](healthy, prefix_hits, request, cfg)
 
 

@@ -91,7 +91,8 @@ def test_retry_after_follows_drain_rate():
 def test_reservations_count_against_free_kv():
     # 100 blocks * 16 = 1600 tokens; 1500 reserved by earlier admissions leaves 100 < 200 needed
     assert admit(W(reserved_kv_tokens=1500), A(ctx=0), Q(), CFG).action == "queue"
-    assert kv_tokens_needed(A(prompt=100, max_tokens=100, cached=64), 100, AdmissionConfig(kv_reserve_fraction=0.5)) == 86
+    half = AdmissionConfig(kv_reserve_fraction=0.5)
+    assert kv_tokens_needed(A(prompt=100, max_tokens=100, cached=64), 100, half) == 86
 
 
 def test_drain_rate_measures_steady_rate_and_decays():

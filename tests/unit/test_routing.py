@@ -31,8 +31,10 @@ def sess_for(worker: str, ids=("a", "b", "c")) -> str:
 PULSE_CASES = [
     ("miss goes to least loaded", [W("a", 3), W("b", 1), W("c", 2)], {}, R(), "b", "least_loaded"),
     ("holder with a free slot wins", [W("a", 3), W("b", 0)], {"a": 50}, R(1000), "a", "prefix_hit"),
-    ("longer prefix wins among idle", [W("a"), W("b"), W("c")], {"a": 10, "b": 40, "c": 20}, R(1000), "b", "prefix_hit"),
-    ("same prefix: less loaded holder", [W("a", 3), W("b", 1), W("c", 0)], {"a": 50, "b": 50}, R(1000), "b", "prefix_hit"),
+    ("longer prefix wins among idle", [W("a"), W("b"), W("c")], {"a": 10, "b": 40, "c": 20}, R(1000),
+     "b", "prefix_hit"),
+    ("same prefix: less loaded holder", [W("a", 3), W("b", 1), W("c", 0)], {"a": 50, "b": 50}, R(1000),
+     "b", "prefix_hit"),
     (
         "hot prefix spreads off a saturated holder",
         [W("a", 4, 3), W("b", 0), W("c", 1)],
