@@ -86,6 +86,10 @@ def test_gateway_overhead_relay_only_run_writes_results_and_leaves_nothing(tmp_p
     assert doc["protocol"] == {"repeats": 1, "warmup": 1, "order": doc["protocol"]["order"]}
     assert doc["summary"]["relay@2"]["added_ttft_p50_ms"]["n"] == 1
     assert doc["summary"]["relay@1"]["errors"]["max"] == 0
+    # the relay path's CPU per request covers both of its processes
+    relay_rec = next(r for r in doc["records"] if r["config"] == "relay@2")
+    assert relay_rec["metrics"]["path_cpu_ms_per_req"] > 0
+    assert len(relay_rec["detail"]["cpu_ms_per_req_by_process"]) >= 1
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
     assert "| relay@1 |" in capsys.readouterr().out
     assert set(descendants(os.getpid())) <= before, "the benchmark left processes running"
