@@ -136,12 +136,15 @@ class Engine:
 
 def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, max_num_seqs: int,
                   max_step_tokens: int, context_length: int, block_sink=None, ops=None,
-                  dtype: str = "float32", seed: int | None = None) -> Engine:
-    """An engine for the model `info` describes, with its weights (host arrays by GGUF name) on `xp`."""
+                  dtype: str = "float32", seed: int | None = None, model=None) -> Engine:
+    """An engine for the model `info` describes, with its weights (host arrays by GGUF name) on `xp`.
+
+    `model`: an already built model to share (several engines over one set of device weights).
+    """
     from workers.cupy.models import build_model
     from workers.cupy.ops import Ops
 
-    model = build_model(info, weights, ops or Ops(xp), dtype)
+    model = model or build_model(info, weights, ops or Ops(xp), dtype)
     kv = model.kv_storage(num_blocks, block_size, dtype)
     blocks = BlockManager(num_blocks, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
