@@ -210,7 +210,8 @@ async def test_redis_stopped_fails_fast_then_refills_after_restart(redis_server)
         with pytest.raises(IndexUnavailable, match="within the last"):
             await index.longest_prefix(H)  # circuit open: no network at all
         second = time.perf_counter() - t0
-        assert first < 0.4 and second < 0.005, (first, second)
+        # generous bounds for a loaded shared box; the point: no OS-level connect/read timeouts (seconds)
+        assert first < 1.0 and second < 0.05, (first, second)
         assert not index.available
         with pytest.raises(IndexUnavailable):
             await index.publish("w", H)  # a publisher sees the same error and keeps serving
@@ -235,7 +236,7 @@ async def test_redis_paused_times_out_at_the_configured_timeout(redis_server):
         t0 = time.perf_counter()
         with pytest.raises(IndexUnavailable):
             await index.longest_prefix(H)
-        assert 0.19 < time.perf_counter() - t0 < 0.5  # the configured timeout, not the OS's
+        assert 0.19 < time.perf_counter() - t0 < 1.0  # the configured timeout, not the OS's
         redis_server.resume()
         await asyncio.sleep(0.25)
         assert await index.longest_prefix(H) == {"w": 8}  # same Redis, contents kept

@@ -43,7 +43,8 @@ async def serve(gate: AdmissionGate, worker: Worker, order: list, name: str, pri
 async def test_queue_holds_slots_and_serves_by_priority():
     gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=10), poll_s=1.0)
     worker, order = Worker(slots=2), []
-    first = [asyncio.create_task(serve(gate, worker, order, f"a{i}", hold_s=0.05)) for i in range(2)]
+    # the first two hold their slots long enough for the rest to queue even on a loaded box
+    first = [asyncio.create_task(serve(gate, worker, order, f"a{i}", hold_s=0.3)) for i in range(2)]
     await asyncio.sleep(0.01)
     later = [asyncio.create_task(serve(gate, worker, order, f"low{i}", priority=-1)) for i in range(2)]
     await asyncio.sleep(0.005)

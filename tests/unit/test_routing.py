@@ -210,14 +210,14 @@ def test_properties(workers, hits, prompt, session, seq, strategy):
 
 
 def test_decision_time_is_well_under_a_millisecond():
+    """CPU time per decision (thread CPU clock: a shared, loaded box preempts us, which is not our cost)."""
     workers = [W(f"w{i}", i % 5, i % 3, kv_blocks_total=1000, kv_blocks_used=100 * i) for i in range(8)]
     hits = {"w1": 40, "w3": 80, "w6": 12}
     times = []
     for i in range(3000):
-        t0 = time.perf_counter()
+        t0 = time.thread_time_ns()
         choose_worker(workers, hits, R(4000, session=f"s{i % 50}", seq=i), PULSE)
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time_ns() - t0)
     times.sort()
-    p99 = times[int(len(times) * 0.99)]
-    # generous bound on a shared 2-core box; the typical figure is ~20 µs
-    assert p99 < 2e-3, f"p99 {p99 * 1e6:.0f} µs"
+    p99 = times[int(len(times) * 0.99)] / 1e9
+    assert p99 < 1e-3, f"p99 {p99 * 1e6:.0f} µs"  # typical: ~30 µs
