@@ -85,7 +85,10 @@ Pulse's config as the pods read it: the user's pulse.config, plus what the chart
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* Serve config (RayService.spec.serveConfigV2): the same application as deploy/serve_config.yaml. */}}
+{{/*
+Serve config (RayService.spec.serveConfigV2): the application of deploy/serve_config.yaml. Pulse's
+gateway serves clients itself; Serve's proxy runs on the head only because KubeRay health-checks it.
+*/}}
 {{- define "pulse.serveConfig" -}}
 proxy_location: HeadOnly
 http_options:
@@ -94,6 +97,7 @@ http_options:
 applications:
   - name: pulse
     import_path: {{ .Values.rayService.importPath }}
+    route_prefix: null
 {{- end -}}
 
 {{/* Environment shared by every Ray container (head and workers). */}}
