@@ -202,6 +202,13 @@ def test_serve_config_is_a_ray_serve_config(helm):
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     # KubeRay probes Serve's proxy on the port named "serve"; Pulse's gateway has its own.
     assert ports["serve"] == serve_cfg.http_options.port != ports["http"] == 8000
+    assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+
+    # deploy/serve_config.yaml (serve run / serve deploy) runs the same application as the chart,
+    # with `pulse serve`'s choices: no Serve proxy, no Serve route.
+    local = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()))
+    assert [(a.name, a.import_path) for a in local.applications] == [(a.name, a.import_path) for a in serve_cfg.applications]
+    assert local.proxy_location.value == "Disabled" and local.applications[0].route_prefix is None
 
 
 @pytest.mark.parametrize("bad, where", [
