@@ -126,7 +126,8 @@ class RoutingConfig(PulseModel):
         64.0, ge=0, description="Cost per request already running on a worker (batching slows each step)."
     )
     queue_cost_tokens: float = Field(
-        1024.0, ge=0, description="Cost per request that would wait for a free slot on a worker."
+        512.0, ge=0, description="Cost per request that would wait for a free slot on a worker (about one "
+        "answer's slot time divided by the slots, in prefill tokens; tests/unit/routing_sim.py shows the trade)."
     )
     kv_soft_limit: float = Field(0.8, ge=0, le=1, description="KV usage above which a worker is charged pressure.")
     kv_pressure_cost_tokens: float = Field(
