@@ -1,0 +1,254 @@
+"""Load soak for the reliability suite: N concurrent streams for T seconds against the load-test backend.
+
+    python -m bench.reliability load --streams 1000 --seconds 60
+
+Starts `pulse serve --backend loadtest` (slots for every stream, a token rate that keeps each stream busy
+for seconds), runs N closed-loop streaming clients (one aiohttp session, connector sized to N) for a
+warm-up and then the measured window, samples the RSS of the gateway replica and of each worker process
+once a second, and afterwards checks that no slot is held. Passes when the only errors are explicit 429s,
+RSS growth over the measured window (after the warm-up) is under 10% for every process, and nothing leaked.
+Writes bench/results/reliability-load-<time>.json and prints a Markdown summary.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from bench import loops
+from bench.faults import MODEL, listening_pids, port_of, rss_bytes, settled_idle, workers
+from bench.loadgen import LoadSpec, RequestResult, one_request, percentiles, request_body
+from bench.machine import machine_info
+from bench.procs import Proc, free_port, python_module
+from bench.protocol import command_line
+
+OUT = Path(__file__).resolve().parent / "results"
+MAX_RSS_GROWTH = 0.10
+
+
+@dataclass
+class Soak:
+    streams: int = 1000
+    seconds: float = 60.0
+    warmup_s: float = 15.0
+    tokens: int = 32  # per request
+    tokens_per_s: float = 4.0  # per stream: 32 tokens take ~8 s, so every client is mid-stream nearly always
+
+
+def server_config(soak: Soak) -> str:
+    return f"""
+workers:
+  backend: loadtest
+  loadtest: {{tokens: {soak.tokens}, tokens_per_s: {soak.tokens_per_s}, slots: {2 * soak.streams}}}
+server:
+  drain_grace_s: 2
+"""
+
+
+def raise_fd_limit(need: int) -> None:
+    """Each stream is a socket here (and two in the server): lift the soft fd limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else hard, hard))
+
+
+async def server_pids(session: aiohttp.ClientSession, base: str) -> dict[str, int]:
+    """{'gateway': pid, worker_id: pid, ...}: the processes listening on the gateway's and workers' ports."""
+    pids = {"gateway": sorted(listening_pids(port_of(base)))}
+    for w in await workers(session, base):
+        pids[w["worker_id"]] = sorted(listening_pids(port_of(w["url"])))
+    out = {}
+    for name, found in pids.items():
+        if len(found) != 1:
+            raise RuntimeError(f"expected one process for {name}, found {found}")
+        out[name] = found[0]
+    return out
+
+
+async def _sample(pids: dict[str, int], series: dict[str, list[tuple[float, int]]], t0: float, stop: asyncio.Event):
+    while not stop.is_set():
+        now = time.monotonic() - t0
+        for name, pid in pids.items():
+            series.setdefault(name, []).append((round(now, 2), rss_bytes(pid)))
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _at(series: list[tuple[float, int]], t: float) -> int:
+    """The sample nearest to time t."""
+    return min(series, key=lambda s: abs(s[0] - t))[1]
+
+
+def memory_report(series: dict[str, list[tuple[float, int]]], start: float, end: float) -> dict:
+    out = {}
+    for name, samples in series.items():
+        a, b = _at(samples, start), _at(samples, end)
+        peak = max(v for t, v in samples if start <= t <= end + 1)
+        out[name] = {"rss_start_mib": round(a / 2**20, 1), "rss_end_mib": round(b / 2**20, 1),
+                     "rss_peak_mib": round(peak / 2**20, 1), "growth": round(b / a - 1, 4) if a else None}
+    return out
+
+
+async def drive(base: str, soak: Soak, progress: bool = False) -> dict:
+    """Run the soak against a running server; returns the figures and a verdict."""
+    raise_fd_limit(4 * soak.streams + 256)
+    spec = LoadSpec(url=base, model=MODEL, max_tokens=soak.tokens, stream=True, timeout=60)
+    path, body = request_body(spec)
+    connector = aiohttp.TCPConnector(limit=soak.streams + 16)
+    timeout = aiohttp.ClientTimeout(total=spec.timeout)
+    measured: list[RequestResult] = []
+    all_status: Counter = Counter()
+    all_errors: Counter = Counter()
+    series: dict[str, list[tuple[float, int]]] = {}
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        pids = await server_pids(session, base)
+        t0 = time.monotonic()
+        start, end = t0 + soak.warmup_s, t0 + soak.warmup_s + soak.seconds
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample(pids, series, t0, stop))
+
+        async def client() -> None:
+            while (began := time.monotonic()) < end:
+                r = await one_request(session, base + path, body, True)
+                all_status[r.status] += 1
+                if r.status != 429 and (r.status != 200 or r.error):
+                    all_errors[r.error or str(r.status)] += 1
+                if began >= start:
+                    measured.append(r)
+
+        ticker = asyncio.create_task(_progress(t0, end, measured, all_errors)) if progress else None
+        await asyncio.gather(*(client() for _ in range(soak.streams)))
+        drained = time.monotonic()
+        stop.set()
+        await sampler
+        if ticker:
+            ticker.cancel()
+        to_idle = await settled_idle(session, base, timeout_s=10)
+        rows = await workers(session, base)
+    return report(soak, measured, all_status, all_errors, series, (start - t0, end - t0), drained - end, to_idle,
+                  rows, pids)
+
+
+async def _progress(t0: float, end: float, measured: list, errors: Counter) -> None:
+    while True:
+        await asyncio.sleep(10)
+        print(f"  {time.monotonic() - t0:5.0f} s  measured requests {len(measured)}  errors {sum(errors.values())}"
+              f"  ({max(0.0, end - time.monotonic()):.0f} s left)", file=sys.stderr, flush=True)
+
+
+def report(soak: Soak, measured, status, errors, series, window, drain_s, to_idle, rows, pids) -> dict:
+    ok = [r for r in measured if r.status == 200 and not r.error]
+    memory = memory_report(series, *window)
+    leaked = {w["worker_id"]: {"running": w["stats"]["running"], "gateway_inflight": w["inflight"]} for w in rows}
+    doc = {
+        "soak": soak.__dict__, "pids": pids,
+        "requests_measured": len(measured), "completed_measured": len(ok),
+        "req_s": round(len(ok) / soak.seconds, 1),
+        "tokens_measured": sum(r.tokens for r in ok),
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "status_counts": {str(k): v for k, v in status.items()}, "errors": dict(errors),
+        "memory": memory, "drain_after_window_s": round(drain_s, 1),
+        "seconds_until_no_slot_held": None if to_idle is None else round(to_idle, 2), "after": leaked,
+        "rss_series": {k: v for k, v in series.items()},
+    }
+    doc["failures"] = verdict(doc)
+    return doc
+
+
+def verdict(doc: dict) -> list[str]:
+    """What fails the soak (empty list: it passed)."""
+    out = []
+    if doc["errors"]:
+        out.append(f"errors other than 429: {doc['errors']}")
+    for name, m in doc["memory"].items():
+        if m["growth"] is None or m["growth"] >= MAX_RSS_GROWTH:
+            out.append(f"{name} RSS grew {m['growth']:.1%} over the window (limit {MAX_RSS_GROWTH:.0%})")
+    if doc["seconds_until_no_slot_held"] is None:
+        out.append(f"slots or streams still held after the run: {doc['after']}")
+    if not doc["completed_measured"]:
+        out.append("no request completed in the measured window")
+    return out
+
+
+def markdown(doc: dict) -> str:
+    s = doc["soak"]
+    lines = [f"{s['streams']} streams x {s['seconds']:.0f} s (warm-up {s['warmup_s']:.0f} s discarded), "
+             f"{s['tokens']} tokens/request at {s['tokens_per_s']} tokens/s/stream",
+             "", "| figure | value |", "| --- | --- |",
+             f"| requests completed (measured window) | {doc['completed_measured']} ({doc['req_s']} req/s) |",
+             f"| tokens streamed (measured window) | {doc['tokens_measured']} |",
+             f"| TTFT p50 / p99 | {_ms(doc['ttft_ms']['p50'])} / {_ms(doc['ttft_ms']['p99'])} |",
+             f"| status counts (whole run) | {doc['status_counts']} |",
+             f"| errors other than 429 | {doc['errors'] or 0} |"]
+    for name, m in doc["memory"].items():
+        lines.append(f"| RSS {name} start -> end (peak) | {m['rss_start_mib']} -> {m['rss_end_mib']} MiB "
+                     f"({m['rss_peak_mib']}), {m['growth']:+.1%} |")
+    lines.append(f"| slots held afterwards | {doc['after']} (idle after {doc['seconds_until_no_slot_held']} s) |")
+    lines.append(f"| verdict | {'PASS' if not doc['failures'] else 'FAIL: ' + '; '.join(doc['failures'])} |")
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    soak = Soak(args.streams, args.seconds, args.warmup, args.tokens, args.tokens_per_s)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = args.out / f"reliability-load-{stamp}.yaml"
+    cfg.write_text(server_config(soak))
+    port = free_port()
+    before = machine_info()
+    proc = Proc("pulse-serve", python_module("pulse.cli", "serve", "--port", str(port), "--config", str(cfg)),
+                args.out / f"logs-reliability-{stamp}")
+    try:
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", 240)
+        doc = loops.run(drive(f"http://127.0.0.1:{port}", soak, progress=not args.quiet), args.loop)
+    finally:
+        left = proc.stop()
+    doc.update(command=command_line(), machine=before, loadavg_end=list(os.getloadavg()),
+               server_leftovers=left, loop=args.loop)
+    if left:
+        doc["failures"].append(f"processes needed SIGKILL at stop: {left}")
+    path = args.out / f"reliability-load-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(markdown(doc))
+    print(f"\nload average at start {before['loadavg']}, at end {doc['loadavg_end']}; result: {path}")
+    return 0 if not doc["failures"] else 1
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("load", help="N concurrent streams for T seconds; memory, errors, leaks")
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--seconds", type=float, default=60.0, help="measured window")
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the window (discarded)")
+    p.add_argument("--tokens", type=int, default=Soak.tokens, help="tokens per request")
+    p.add_argument("--tokens-per-s", type=float, default=Soak.tokens_per_s, help="per stream")
+    p.add_argument("--loop", choices=loops.CHOICES, default="auto")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--quiet", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    return run_cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
