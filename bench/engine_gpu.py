@@ -116,7 +116,7 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
         args = [cp.asarray(a) for a in (np.full(n_seqs, 1000, np.int32), np.full(n_seqs, p, np.int32), slots, rows,
                                         tables, rows.astype(np.int64))]
         ws = Workspace.allocate(model.cfg, n_seqs, n_seqs, model.act)
-        model.run(ws, *args, kv, BS)
+        model.run(ws, *args, kv, BS, decode=True)
     k, blas, marks = model.kernels, model.blas, []
 
     def wrap(obj, name, label):
@@ -132,14 +132,16 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
     for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
         wrap(k, name, name)
     wrap(blas, "linear", lambda x, w, out: f"gemm {w.shape[0]}x{w.shape[1]}")
+    for name in ("gemv",):
+        wrap(k, name, lambda mode, w, out, **kw: f"gemv{mode} {w.shape[0]}x{w.shape[1]}")
     try:
         k.spin(40_000_000)
         e0 = cp.cuda.Event()
         e0.record()
-        model.run(ws, *args, kv, BS)
+        model.run(ws, *args, kv, BS, decode=decode)
         cp.cuda.get_current_stream().synchronize()
     finally:
-        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
+        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "gemv"):
             delattr(k, name)
         delattr(blas, "linear")
     totals, prev = {}, e0
@@ -161,6 +163,25 @@ def graph_step_us(graphs, n_seqs: int, reps: int = 50) -> float:
     e1.record()
     e1.synchronize()
     return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
+
+def empty_node_us(model, n: int = 200) -> float:
+    """Replay cost of one near-empty kernel node in a graph: the floor under every launch of a step."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        model.kernels.spin(0)
+        stream.begin_capture()
+        for _ in range(n):
+            model.kernels.spin(0)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        for _ in range(10):
+            graph.launch(stream)
+        e1.record(stream)
+        e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (10 * n)
 
 
 def summary(xs: list[float]) -> dict:
@@ -211,6 +232,7 @@ def main() -> None:
         "decode_b1": summary(bench_decode(model, kv, graphs, 1, 1, 128, a.repeats)),
         "decode_b64": summary(bench_decode(model, kv, graphs, 64, 128, 128, a.repeats)),
     }
+    res["empty_node_us"] = empty_node_us(model)
     res["graph_step_us_b1"] = graph_step_us(graphs, 1)
     res["graph_step_us_b64"] = graph_step_us(graphs, 64)
     if a.profile:

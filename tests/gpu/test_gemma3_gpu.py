@@ -60,12 +60,13 @@ def step(models, kvs, scheduled):
     return out
 
 
-def test_random_weights_prefill_and_graph_decode():
+@pytest.mark.parametrize("graph_sizes", [(1, 4, 8), (16,)])  # fused small-batch products / cuBLAS + padding
+def test_random_weights_prefill_and_graph_decode(graph_sizes):
     cfg = Gemma3Config(n_layers=6, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048, vocab_size=8192,
                        eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
     w = random_weights(cfg)
     cpu = Gemma3(cfg, w, Ops(np))
-    gpu = GpuGemma3(cfg, w, graph_sizes=(1, 4, 8), max_model_len=2048)
+    gpu = GpuGemma3(cfg, w, graph_sizes=graph_sizes, max_model_len=2048)
     nb = 200
     kvs = [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)]
     blocks = BlockManager(nb, BS)

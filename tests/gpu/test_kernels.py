@@ -152,3 +152,71 @@ def test_cublas_linear_eager_and_in_graph(m):
         graph.launch(stream)
         stream.synchronize()
     assert rel(out2.get(), ref) < 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["plain", "add_norm", "gelu", "embed"])
+def test_gemv_prologues(k, m, mode):
+    from workers.cupy.gpu.kernels import GEMV_ADD_NORM, GEMV_EMBED, GEMV_GELU, GEMV_PLAIN
+
+    kdim = 2048 if mode == "gelu" else 640
+    n = 1536 + 8  # not a multiple of the 16 rows a block computes
+    w = (RNG.standard_normal((n, kdim)) / np.sqrt(kdim)).astype(np.float16)
+    w_post, w_norm = (1 + RNG.standard_normal(kdim).astype(np.float32) * 0.1 for _ in range(2))
+    out = cp.full((m, n), np.nan, cp.float32)
+    resid_out = cp.full((m, kdim), np.nan, cp.float32)
+    if mode == "plain":
+        x = RNG.standard_normal((m, kdim)).astype(np.float16)
+        k.gemv(GEMV_PLAIN, cp.asarray(w), out, x_act=cp.asarray(x))
+        xref = x.astype(np.float32)
+    elif mode == "gelu":
+        gu = (RNG.standard_normal((m, 2 * kdim)) * 2).astype(np.float32)
+        k.gemv(GEMV_GELU, cp.asarray(w), out, src=cp.asarray(gu))
+        xref = OPS.gelu_tanh_mul(gu[:, :kdim], gu[:, kdim:])
+    elif mode == "add_norm":
+        r = (RNG.standard_normal((m, kdim)) * 30).astype(np.float32)
+        d = RNG.standard_normal((m, kdim)).astype(np.float32)
+        k.gemv(GEMV_ADD_NORM, cp.asarray(w), out, src=cp.asarray(d), resid_in=cp.asarray(r), resid_out=resid_out,
+               w_post=cp.asarray(w_post), w_norm=cp.asarray(w_norm), eps=EPS)
+        new = r + OPS.rms_norm(d, w_post, EPS)
+        xref = OPS.rms_norm(new, w_norm, EPS)
+        assert rel(resid_out.get(), new) < 1e-6
+    else:
+        emb = RNG.standard_normal((500, kdim)).astype(np.float16)
+        tok = RNG.integers(0, 500, m).astype(np.int32)
+        k.gemv(GEMV_EMBED, cp.asarray(w), out, tok=cp.asarray(tok), emb=cp.asarray(emb), emb_scale=np.sqrt(kdim),
+               w_norm=cp.asarray(w_norm), resid_out=resid_out, eps=EPS)
+        e = OPS.embed(emb.astype(np.float32), tok, np.sqrt(kdim))
+        xref = OPS.rms_norm(e, w_norm, EPS)
+        assert rel(resid_out.get(), e) < 1e-6
+    assert rel(out.get(), xref.astype(np.float64) @ w.astype(np.float64).T) < 1e-3
+
+
+def test_attention_fused_decode_equals_separate(k):
+    """A decode step's fused attention (QK-norm, RoPE, KV write inside) matches qkv_post + attention."""
+    bs, nb, b = 16, 64, 5
+    lens = np.array([1, 17, 100, 513, 700], np.int32)  # context after the step, this token included
+    tables = RNG.permutation(nb)[: b * 12].reshape(b, 12).astype(np.int32)
+    pos = (lens - 1).astype(np.int32)
+    slots = (tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs)
+    qkv = (RNG.standard_normal((b, (NH + 2 * NKV) * HD)) * 2).astype(np.float32)
+    qn, kn = (1 + RNG.standard_normal(HD).astype(np.float32) * 0.1 for _ in range(2))
+    base_k = RNG.standard_normal((nb, bs, NKV, HD)).astype(np.float16)
+    base_v = RNG.standard_normal((nb, bs, NKV, HD)).astype(np.float16)
+    rows = cp.arange(b, dtype=cp.int32)
+    args = [cp.asarray(a) for a in (tables,)] + [rows, cp.asarray(pos)]
+    outs, caches = [], []
+    for fused in (False, True):
+        kc, vc = cp.asarray(base_k), cp.asarray(base_v)
+        out = cp.full((b, NH * HD), np.nan, cp.float16)
+        q = cp.full((b, NH * HD), np.nan, cp.float16)
+        d_qkv, d_qn, d_kn, d_slots = cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(slots)
+        if not fused:
+            k.qkv_post(d_qkv, d_qn, d_kn, cp.asarray(pos), d_slots, 1e4, 1.0, EPS, NH, NKV, q, kc, vc)
+        k.attention(None if fused else q, kc, vc, *args, bs, 512, 1 / 16, NKV, out,
+                    fused=(d_qkv, d_qn, d_kn, d_slots, 1e4, 1.0, EPS) if fused else None)
+        outs.append(out.get())
+        caches.append((kc.get(), vc.get()))
+    assert rel(outs[1], outs[0]) < 2e-3
+    assert np.array_equal(caches[1][1], caches[0][1])
+    assert rel(caches[1][0], caches[0][0]) < 1e-3

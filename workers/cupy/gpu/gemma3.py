@@ -18,7 +18,8 @@ import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
 from workers.cupy.gpu.cublas import Cublas
-from workers.cupy.gpu.kernels import Kernels, argmax_chunks
+from workers.cupy.gpu.kernels import (GEMV_ADD_NORM, GEMV_EMBED, GEMV_GELU, GEMV_MAX_M, GEMV_PLAIN, Kernels,
+                                      argmax_chunks)
 from workers.cupy.kv_cache import KVStorage
 
 
@@ -41,6 +42,7 @@ class Workspace:
     """Every intermediate of one step for up to `t` tokens and `s` logits rows (graphs need fixed buffers)."""
 
     resid: cp.ndarray
+    resid2: cp.ndarray  # the small-batch path ping-pongs the residual between the two
     x: cp.ndarray
     qkv: cp.ndarray
     q: cp.ndarray
@@ -60,7 +62,7 @@ class Workspace:
         adt = kv_dtype(act)
         nq = c.n_heads * c.head_dim
         return cls(
-            resid=cp.empty((t, c.hidden), cp.float32), x=cp.empty((t, c.hidden), adt),
+            resid=cp.empty((t, c.hidden), cp.float32), resid2=cp.empty((t, c.hidden), cp.float32), x=cp.empty((t, c.hidden), adt),
             qkv=cp.empty((t, nq + 2 * c.n_kv_heads * c.head_dim), cp.float32), q=cp.empty((t, nq), adt),
             attn=cp.empty((t, nq), adt), o=cp.empty((t, c.hidden), cp.float32),
             gate_up=cp.empty((t, 2 * c.ffn), cp.float32), mlp=cp.empty((t, c.ffn), adt),
@@ -72,7 +74,7 @@ class Workspace:
 
     def view(self, t: int, s: int) -> Workspace:
         """The leading rows, for a step smaller than the buffers (still C-contiguous)."""
-        tok = ("resid", "x", "qkv", "q", "attn", "o", "gate_up", "mlp", "down")
+        tok = ("resid", "resid2", "x", "qkv", "q", "attn", "o", "gate_up", "mlp", "down")
         return Workspace(**{k: getattr(self, k)[: (t if k in tok else s)] for k in self.__dataclass_fields__})
 
 
@@ -120,17 +122,41 @@ class GpuGemma3:
 
     # --- the step ------------------------------------------------------------------------------------
     def run(self, ws: Workspace, tok, pos, slots, tok_row, block_tables, logit_rows, kv: KVStorage,
-            block_size: int) -> None:
-        """One forward pass into ws.logits / ws.chosen (greedy ids). Launches only: capturable as a graph."""
-        c, k, blas = self.cfg, self.kernels, self.blas
-        nkv, nh, eps = c.n_kv_heads, c.n_heads, c.eps
+            block_size: int, decode: bool = False) -> None:
+        """One forward pass into ws.logits / ws.chosen (greedy ids). Launches only: capturable as a graph.
+
+        decode=True promises one query token per sequence (tok_row[t] == t): attention then does QK-norm,
+        RoPE and the KV write itself, and up to GEMV_MAX_M tokens take the fused small-batch products."""
+        if decode and tok.shape[0] <= GEMV_MAX_M:
+            self._layers_small(ws, tok, pos, slots, tok_row, block_tables, kv, block_size)
+        else:
+            self._layers_blas(ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode)
+        last = self.layers[-1]
+        resid = ws.resid2 if decode and tok.shape[0] <= GEMV_MAX_M else ws.resid
+        self.kernels.add_norm(resid, ws.down, last["post_ffn_norm"], self.out_norm, self.cfg.eps, ws.x_out,
+                              rows=logit_rows)
+        self.blas.linear(ws.x_out, self.embed, ws.logits)
+        if self.cfg.final_softcap:
+            cap = np.float32(self.cfg.final_softcap)
+            ws.logits[...] = cp.tanh(ws.logits / cap) * cap
+        self.kernels.argmax_rows(ws.logits, ws.chosen, ws.part_v, ws.part_i)
+
+    def _attention(self, i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused: bool):
+        c = self.cfg
+        fuse = (ws.qkv, lw["q_norm"], lw["k_norm"], slots, lw["theta"], lw["pos_scale"], c.eps) if fused else None
+        if not fused:
+            self.kernels.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, lw["theta"], lw["pos_scale"], c.eps,
+                                  c.n_heads, c.n_kv_heads, ws.q, kv.k[i], kv.v[i])
+        self.kernels.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
+                               c.query_scale, c.n_kv_heads, ws.attn, fused=fuse)
+
+    def _layers_blas(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode):
+        """Any step size: cuBLAS products, separate norm and gelu kernels (9 launches a layer, 8 when decoding)."""
+        c, k, blas, eps = self.cfg, self.kernels, self.blas, self.cfg.eps
         k.embed_norm(tok, self.embed, math.sqrt(c.hidden), self.layers[0]["attn_norm"], eps, ws.resid, ws.x)
         for i, lw in enumerate(self.layers):
             blas.linear(ws.x, lw["qkv"], ws.qkv)
-            k.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, lw["theta"], lw["pos_scale"], eps, nh, nkv,
-                       ws.q, kv.k[i], kv.v[i])
-            k.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
-                        c.query_scale, nkv, ws.attn)
+            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, decode)
             blas.linear(ws.attn, lw["o"], ws.o)
             k.add_norm(ws.resid, ws.o, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.x)
             blas.linear(ws.x, lw["gate_up"], ws.gate_up)
@@ -138,12 +164,23 @@ class GpuGemma3:
             blas.linear(ws.mlp, lw["down"], ws.down)
             if i + 1 < len(self.layers):
                 k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.layers[i + 1]["attn_norm"], eps, ws.x)
-            else:
-                k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.out_norm, eps, ws.x_out, rows=logit_rows)
-        blas.linear(ws.x_out, self.embed, ws.logits)
-        if c.final_softcap:
-            ws.logits[...] = cp.tanh(ws.logits / np.float32(c.final_softcap)) * np.float32(c.final_softcap)
-        k.argmax_rows(ws.logits, ws.chosen, ws.part_v, ws.part_i)
+
+    def _layers_small(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size):
+        """Decode of <= GEMV_MAX_M tokens: 5 launches a layer, every norm and the gelu fused into a product.
+        The residual ends each layer in resid2 (ra -> rb within a layer, rb -> ra across layers)."""
+        c, k, eps, L = self.cfg, self.kernels, self.cfg.eps, self.layers
+        ra, rb = ws.resid, ws.resid2
+        k.gemv(GEMV_EMBED, L[0]["qkv"], ws.qkv, tok=tok, emb=self.embed, emb_scale=math.sqrt(c.hidden),
+               w_norm=L[0]["attn_norm"], resid_out=ra, eps=eps)
+        for i, lw in enumerate(L):
+            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, True)
+            k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn)
+            k.gemv(GEMV_ADD_NORM, lw["gate_up"], ws.gate_up, src=ws.o, resid_in=ra, resid_out=rb,
+                   w_post=lw["post_attn_norm"], w_norm=lw["ffn_norm"], eps=eps)
+            k.gemv(GEMV_GELU, lw["down"], ws.down, src=ws.gate_up)
+            if i + 1 < len(L):
+                k.gemv(GEMV_ADD_NORM, L[i + 1]["qkv"], ws.qkv, src=ws.down, resid_in=rb, resid_out=ra,
+                       w_post=lw["post_ffn_norm"], w_norm=L[i + 1]["attn_norm"], eps=eps)
 
     def forward(self, batch, kv: KVStorage):
         """Logits (rows of batch.logits_indices, vocab) for one engine step (workers/cupy/batch.StepBatch)."""

@@ -50,7 +50,7 @@ class DecodeGraphs:
         m.kernels.prepare(self._pos_in(g), self._tables(g), self.block_size, self.scratch_slot,
                           self.pos[:g], self.slots[:g])
         m.run(ws, self.tok[:g], self.pos[:g], self.slots[:g], self.tok_row[:g], self._tables(g), self.rows[:g],
-              self.kv, self.block_size)
+              self.kv, self.block_size, decode=True)
 
     def _capture(self, g: int):
         self.inp[:g] = -1  # every row padding while capturing and warming up: only the scratch slot is written

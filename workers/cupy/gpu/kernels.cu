@@ -1,75 +1,5 @@
-// Pulse's fused kernels for one engine step (Gemma-3-shaped decoders), compiled by NVRTC through CuPy.
-//
-// Why these exist: a 270M-parameter decode step is launch-bound, not bandwidth-bound (weights ~0.2 GB against
-// ~4 TB/s), so each kernel fuses what CuPy's generic ops would launch separately: RMSNorm with the residual add
-// and the next norm, QK-norm with RoPE and the KV write, gelu(gate) * up, paged attention for any mix of
-// prefill and decode tokens, and argmax over the vocabulary. Matrix products go to cuBLAS (cublas.py).
-//
-// Compile-time constants (defines passed by kernels.py): HEAD_DIM (256), GROUP (query heads per KV head, 4),
-// ACT_BF16 (1: activations/weights/KV in bf16, else fp16). Residual stream and GEMM outputs stay fp32.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-#ifndef HEAD_DIM
-#define HEAD_DIM 256
-#endif
-#ifndef GROUP
-#define GROUP 4
-#endif
-
-#if ACT_BF16
-typedef __nv_bfloat16 act_t;
-typedef __nv_bfloat162 act2_t;
-__device__ __forceinline__ float to_f(act_t x) { return __bfloat162float(x); }
-__device__ __forceinline__ act_t from_f(float x) { return __float2bfloat16(x); }
-__device__ __forceinline__ float2 to_f2(act2_t x) { return __bfloat1622float2(x); }
-#else
-typedef __half act_t;
-typedef __half2 act2_t;
-__device__ __forceinline__ float to_f(act_t x) { return __half2float(x); }
-__device__ __forceinline__ act_t from_f(float x) { return __float2half(x); }
-__device__ __forceinline__ float2 to_f2(act2_t x) { return __half22float2(x); }
-#endif
-
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-#define LANE_DIMS (HEAD_DIM / 32)  // head dims per lane in attention: 8 = one 16-byte load
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum over the block; `sh` holds >= 32 floats. Leading barrier: `sh` may be reused back to back.
-__device__ float block_sum(float v, float* sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  __syncthreads();
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  float s = 0.f;
-  for (int i = 0; i < nw; i++) s += sh[i];
-  return s;
-}
-
-// Load LANE_DIMS (8) consecutive activations as floats with one 16-byte load.
-__device__ __forceinline__ void load8(const act_t* p, float* f) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const act2_t* h2 = reinterpret_cast<const act2_t*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 4; e++) {
-    float2 x = to_f2(h2[e]);
-    f[2 * e] = x.x;
-    f[2 * e + 1] = x.y;
-  }
-}
+// Pulse's fused kernels for one engine step: norms, QK-norm + RoPE + KV write, paged attention, gelu * up.
+// (common.cuh is prepended by kernels.py; see its header for the why and the compile-time constants.)
 
 // resid = emb[tok] * scale (fp32); out = rmsnorm(resid) * w. One block per token.
 extern "C" __global__ void embed_norm(const int* __restrict__ tok, const act_t* __restrict__ emb, float scale,
@@ -122,9 +52,29 @@ extern "C" __global__ void add_norm(float* __restrict__ resid, const float* __re
   }
 }
 
-// After the fused q/k/v product: RMSNorm per head on q and k (QK-norm), NeoX RoPE on both, q written for
-// attention, k and v written into the paged cache at the token's slot. One block of HEAD_DIM threads per token.
-// Angles in float64 like the NumPy path (positions up to 32k times 1e6-base frequencies).
+// cos and sin of thread d's RoPE angle (NeoX: dims d and d + HEAD_DIM/2 share frequency d mod HEAD_DIM/2).
+// The angle in float64 like the NumPy path (positions up to 32k times 1e6-base frequencies).
+__device__ __forceinline__ void rope_cs(int p, float theta, float pos_scale, float* c, float* s) {
+  const int i = threadIdx.x % (HEAD_DIM / 2);
+  const double ang = ((double)p / pos_scale) * pow((double)theta, -2.0 * i / HEAD_DIM);
+  *c = (float)cos(ang);
+  *s = (float)sin(ang);
+}
+
+// QK-norm then RoPE of one head held one element per thread (blockDim == HEAD_DIM); all threads must call.
+__device__ float norm_rope(float x, float w, float c, float s, float eps, float* buf, float* sh) {
+  const int d = threadIdx.x, half_d = HEAD_DIM / 2;
+  const float y = x * rsqrtf(block_sum(x * x, sh) / HEAD_DIM + eps) * w;
+  buf[d] = y;
+  __syncthreads();
+  const float partner = buf[d < half_d ? d + half_d : d - half_d];
+  __syncthreads();
+  return d < half_d ? y * c - partner * s : y * c + partner * s;
+}
+
+// After the fused q/k/v product: QK-norm and RoPE on q and k, q written for attention, k and v written into
+// the paged cache at the token's slot. One block of HEAD_DIM threads per token. (Decode steps fold this into
+// the attention kernel instead; prefill chunks need every token's K/V written before any attention reads.)
 extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* __restrict__ qn_w,
                                     const float* __restrict__ kn_w, const int* __restrict__ pos,
                                     const long long* __restrict__ slots, float theta, float pos_scale, float eps,
@@ -133,22 +83,13 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
   __shared__ float sh[32];
   __shared__ float buf[HEAD_DIM];
   const size_t t = blockIdx.x;
-  const int d = threadIdx.x, half_d = HEAD_DIM / 2;
+  const int d = threadIdx.x;
   const float* row = qkv + t * (size_t)(NH + 2 * NKV) * HEAD_DIM;
   const long long slot = slots[t];
-  const int i = d % half_d;
-  const double inv_freq = pow((double)theta, -2.0 * i / HEAD_DIM);
-  const double ang = ((double)pos[t] / pos_scale) * inv_freq;
-  const float c = (float)cos(ang), s = (float)sin(ang);
+  float c, s;
+  rope_cs(pos[t], theta, pos_scale, &c, &s);
   for (int h = 0; h < NH + NKV; h++) {
-    const float x = row[h * HEAD_DIM + d];
-    const float inv = rsqrtf(block_sum(x * x, sh) / HEAD_DIM + eps);
-    const float y = x * inv * (h < NH ? qn_w[d] : kn_w[d]);
-    buf[d] = y;
-    __syncthreads();
-    const float partner = buf[d < half_d ? d + half_d : d - half_d];
-    const float o = d < half_d ? y * c - partner * s : y * c + partner * s;
-    __syncthreads();
+    const float o = norm_rope(row[h * HEAD_DIM + d], h < NH ? qn_w[d] : kn_w[d], c, s, eps, buf, sh);
     if (h < NH)
       q_out[(t * NH + h) * HEAD_DIM + d] = from_f(o);
     else
@@ -169,11 +110,15 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 // sharing a KV head read each key once. Keys go in chunks of ATT_CHUNK: scores to shared memory, an online
 // softmax across chunks, then P.V with each warp owning a strided subset of keys and each lane 8 dims.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-    attention(const act_t* __restrict__ q, const act_t* __restrict__ kc, const act_t* __restrict__ vc,
+    attention(const act_t* __restrict__ q, act_t* kc, act_t* vc,  // written too on fused decode steps
               const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ tok_row,
               const int* __restrict__ pos, int block_size, int window, float scale, int NKV,
-              act_t* __restrict__ out) {
+              act_t* __restrict__ out, const float* __restrict__ qkv, const float* __restrict__ qn_w,
+              const float* __restrict__ kn_w, const long long* __restrict__ slots, float theta, float pos_scale,
+              float eps) {
   __shared__ float sc[GROUP][ATT_CHUNK];
+  __shared__ float qs[GROUP][HEAD_DIM];  // fused decode: this CTA's normed, rotated queries
+  __shared__ float nbuf[HEAD_DIM], nsh[32];
   __shared__ float red[ATT_WARPS][GROUP][HEAD_DIM];
   __shared__ float chunk_m[GROUP], chunk_s[GROUP];
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
@@ -185,10 +130,30 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
   // indexed by the warp number would go to local memory)
   if (threadIdx.x < GROUP) chunk_m[threadIdx.x] = -INFINITY;
 
+  if (qkv) {
+    // fused decode step (qkv != null): each token is its own sequence's only query, so this CTA can do the
+    // token's QK-norm, RoPE and KV write itself and then read the cache (its own key included) after a barrier
+    const float* row = qkv + (size_t)t * (NH + 2 * NKV) * HEAD_DIM;
+    const int d = threadIdx.x;
+    float c, s;
+    rope_cs(p, theta, pos_scale, &c, &s);
+    for (int g = 0; g < GROUP; g++)
+      qs[g][d] = norm_rope(row[(kvh * GROUP + g) * HEAD_DIM + d], qn_w[d], c, s, eps, nbuf, nsh);
+    const float ko = norm_rope(row[(NH + kvh) * HEAD_DIM + d], kn_w[d], c, s, eps, nbuf, nsh);
+    const size_t slot = (size_t)slots[t];
+    kc[(slot * NKV + kvh) * HEAD_DIM + d] = from_f(ko);
+    vc[(slot * NKV + kvh) * HEAD_DIM + d] = from_f(row[(NH + NKV + kvh) * HEAD_DIM + d]);
+    __syncthreads();  // the K/V writes and qs are visible to the whole block
+  }
   float qr[GROUP][LANE_DIMS], acc[GROUP][LANE_DIMS], m[GROUP], l[GROUP];
 #pragma unroll
   for (int g = 0; g < GROUP; g++) {
-    load8(q + ((size_t)t * NH + kvh * GROUP + g) * HEAD_DIM + lane * LANE_DIMS, qr[g]);
+    if (qkv) {
+#pragma unroll
+      for (int e = 0; e < LANE_DIMS; e++) qr[g][e] = qs[g][lane * LANE_DIMS + e];
+    } else {
+      load8(q + ((size_t)t * NH + kvh * GROUP + g) * HEAD_DIM + lane * LANE_DIMS, qr[g]);
+    }
 #pragma unroll
     for (int e = 0; e < LANE_DIMS; e++) {
       qr[g][e] *= scale;
@@ -308,146 +273,3 @@ extern "C" __global__ void gelu_mul(const float* __restrict__ gu, int F, long lo
   }
 }
 
-// Greedy choice per logits row: the first index of the maximum (NumPy's argmax tie rule). 1024 threads a row.
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, int* __restrict__ out) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  const float* row = logits + (size_t)blockIdx.x * V;
-  float best = -INFINITY;
-  int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best) {  // strided ascending scan: the first max of this thread's share wins
-      best = v;
-      bi = i;
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > best || (ov == best && oi < bi)) {
-      best = ov;
-      bi = oi;
-    }
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  if (lane == 0) {
-    sv[warp] = best;
-    si[warp] = bi;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < nw; w++)
-      if (sv[w] > best || (sv[w] == best && si[w] < bi)) {
-        best = sv[w];
-        bi = si[w];
-      }
-    out[blockIdx.x] = bi;
-  }
-}
-
-// Greedy choice, stage 1: many blocks per row (one block scanning 262k logits is ~256 dependent loads per
-// thread). Grid (chunks, rows), 256 threads, ARGMAX_CHUNK logits per block as four 16-byte loads a thread.
-#define ARGMAX_CHUNK 4096
-__device__ __forceinline__ void better(float& best, int& bi, float v, int i) {
-  if (v > best || (v == best && i < bi)) {
-    best = v;
-    bi = i;
-  }
-}
-
-extern "C" __global__ void argmax_partial(const float* __restrict__ logits, int V, float* __restrict__ part_v,
-                                          int* __restrict__ part_i) {
-  __shared__ float sv[8];
-  __shared__ int si[8];
-  const size_t row = blockIdx.y;
-  const int base = blockIdx.x * ARGMAX_CHUNK;
-  const float4* p = reinterpret_cast<const float4*>(logits + row * V + base);
-  float4 v[4];
-#pragma unroll
-  for (int u = 0; u < 4; u++) {
-    const int i4 = threadIdx.x + u * 256;
-    v[u] = base + i4 * 4 < V ? p[i4] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-  }
-  float best = -INFINITY;
-  int bi = 0x7fffffff;
-#pragma unroll
-  for (int u = 0; u < 4; u++) {
-    const int i = base + (threadIdx.x + u * 256) * 4;
-    if (i < V) {
-      better(best, bi, v[u].x, i);
-      better(best, bi, v[u].y, i + 1);
-      better(best, bi, v[u].z, i + 2);
-      better(best, bi, v[u].w, i + 3);
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    better(best, bi, ov, oi);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    sv[threadIdx.x >> 5] = best;
-    si[threadIdx.x >> 5] = bi;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < 8; w++) better(best, bi, sv[w], si[w]);
-    part_v[row * gridDim.x + blockIdx.x] = best;
-    part_i[row * gridDim.x + blockIdx.x] = bi;
-  }
-}
-
-// Stage 2: one warp per row over the stage-1 winners.
-extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const int* __restrict__ part_i, int n,
-                                        int* __restrict__ out) {
-  const size_t row = blockIdx.x;
-  float best = -INFINITY;
-  int bi = 0x7fffffff;
-  for (int j = threadIdx.x; j < n; j += 32) better(best, bi, part_v[row * n + j], part_i[row * n + j]);
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    better(best, bi, ov, oi);
-  }
-  if (threadIdx.x == 0) out[row] = bi;
-}
-
-// Profiling aid: hold the stream for `ns` nanoseconds so the launches queued behind it run back to back and
-// events between them time the kernels, not Python's launch gaps.
-extern "C" __global__ void spin(long long ns) {
-  const long long t0 = clock64();
-  (void)t0;
-  unsigned long long start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  unsigned long long now = start;
-  while ((long long)(now - start) < ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-}
-
-// First node of a decode graph: positions and KV slots from the packed per-step input (positions, then the
-// block tables). A negative position marks a padding row (the graph is captured for more rows than are live):
-// it computes at position 0 and writes its K/V to the scratch slot, so no live block is touched.
-extern "C" __global__ void prepare(const int* __restrict__ pos_in, const int* __restrict__ block_tables,
-                                   int max_blocks, int block_size, long long scratch_slot, int n,
-                                   int* __restrict__ pos, long long* __restrict__ slots) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= n) return;
-  const int p = pos_in[b];
-  if (p < 0) {
-    pos[b] = 0;
-    slots[b] = scratch_slot;
-    return;
-  }
-  pos[b] = p;
-  slots[b] = (long long)block_tables[(size_t)b * max_blocks + p / block_size] * block_size + p % block_size;
-}
-
-// Device-resident decode loop (benchmarks): the chosen tokens become the next step's input and the live
-// rows' positions advance, so consecutive graph replays need no host input.
-extern "C" __global__ void advance(const int* __restrict__ chosen, int n_live, int* __restrict__ tok,
-                                   int* __restrict__ pos_in) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= n_live) return;
-  tok[b] = chosen[b];
-  pos_in[b] += 1;
-}

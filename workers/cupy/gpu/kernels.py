@@ -12,10 +12,14 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("kernels.cu")
+_HERE = Path(__file__).parent
+_SOURCES = ("common.cuh", "kernels.cu", "sampling.cu", "gemv.cu")  # one module; common.cuh first
 NORM_THREADS = 128
 ARGMAX_THREADS = 1024
-ARGMAX_CHUNK = 4096  # as in kernels.cu
+ARGMAX_CHUNK = 4096  # as in sampling.cu
+GEMV_MAX_M, GEMV_ROWS_PER_BLOCK = 8, 16  # as in gemv.cu
+GEMV_PLAIN, GEMV_ADD_NORM, GEMV_GELU, GEMV_EMBED = 0, 1, 2, 3
+_NULL = np.uint64(0)
 
 
 def argmax_chunks(vocab: int) -> int:
@@ -25,7 +29,8 @@ def argmax_chunks(vocab: int) -> int:
 @lru_cache(maxsize=None)
 def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}")
-    return cp.RawModule(code=_SOURCE.read_text(), options=options)
+    code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
+    return cp.RawModule(code=code, options=options)
 
 
 class Kernels:
@@ -39,7 +44,9 @@ class Kernels:
         self.head_dim, self.group, self.act = head_dim, group, act
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
-            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin")}
+            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin", "gemv")}
+        # GELU mode stages M x 2048 floats: past the default 48 KB of dynamic shared memory
+        self._f["gemv"].max_dynamic_shared_size_bytes = 4 * GEMV_MAX_M * 4096
 
     def embed_norm(self, tok, emb, scale: float, w, eps: float, resid, out):
         t, h = resid.shape
@@ -50,7 +57,7 @@ class Kernels:
         """rows None: every row, resid updated; else only `rows` (int64), resid untouched."""
         h = resid.shape[1]
         n = out.shape[0]
-        rows = rows if rows is not None else np.uint64(0)  # a null pointer
+        rows = rows if rows is not None else _NULL
         self._f["add_norm"]((n,), (NORM_THREADS,), (resid, delta, w_post, w_next, rows, np.float32(eps),
                                                      np.int32(h), out), shared_mem=4 * h)
 
@@ -62,11 +69,32 @@ class Kernels:
             np.int32(n_heads), np.int32(n_kv), q_out, k_cache, v_cache))
 
     def attention(self, q, k_cache, v_cache, block_tables, tok_row, pos, block_size: int, window: int,
-                  scale: float, n_kv: int, out):
-        t = q.shape[0]
+                  scale: float, n_kv: int, out, fused=None):
+        """fused: None, or (qkv, q_norm_w, k_norm_w, slots, theta, pos_scale, eps) for a pure decode step, where
+        the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused)."""
+        t = out.shape[0]
+        if fused is None:
+            extra = (_NULL, _NULL, _NULL, _NULL, np.float32(0), np.float32(1), np.float32(0))
+        else:
+            qkv, qn, kn, slots, theta, pos_scale, eps = fused
+            extra = (qkv, qn, kn, slots, np.float32(theta), np.float32(pos_scale), np.float32(eps))
         self._f["attention"]((t, n_kv), (256,), (
-            q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row, pos,
-            np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out))
+            q if q is not None else _NULL, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row,
+            pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra)
+
+    def gemv(self, mode: int, w, out, *, x_act=None, src=None, resid_in=None, resid_out=None, w_post=None,
+             w_norm=None, tok=None, emb=None, emb_scale: float = 1.0, eps: float = 1e-6):
+        """out[M, N] (fp32) = prologue(...)[M, K] @ w[N, K].T for M <= GEMV_MAX_M (see gemv.cu for the modes)."""
+        m, n = out.shape
+        k = w.shape[1]
+        assert m <= GEMV_MAX_M and k % 8 == 0 and w.shape[0] == n
+
+        def p(a):
+            return _NULL if a is None else a
+
+        self._f["gemv"](((n + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (256,), (
+            np.int32(mode), np.int32(m), np.int32(k), np.int32(n), w, p(x_act), p(src), p(resid_in), p(resid_out),
+            p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out), shared_mem=4 * m * k)
 
     def gelu_mul(self, gate_up, out):
         t, f = out.shape

@@ -1,0 +1,73 @@
+// Pulse's fused kernels for one engine step (Gemma-3-shaped decoders), compiled by NVRTC through CuPy.
+//
+// Why these exist: a 270M-parameter decode step is launch-bound, not bandwidth-bound (weights ~0.2 GB against
+// ~4 TB/s), so each kernel fuses what CuPy's generic ops would launch separately: RMSNorm with the residual add
+// and the next norm, QK-norm with RoPE and the KV write, gelu(gate) * up, paged attention for any mix of
+// prefill and decode tokens, and argmax over the vocabulary. Matrix products go to cuBLAS (cublas.py).
+//
+// Compile-time constants (defines passed by kernels.py): HEAD_DIM (256), GROUP (query heads per KV head, 4),
+// ACT_BF16 (1: activations/weights/KV in bf16, else fp16). Residual stream and GEMM outputs stay fp32.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 256
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+
+#if ACT_BF16
+typedef __nv_bfloat16 act_t;
+typedef __nv_bfloat162 act2_t;
+__device__ __forceinline__ float to_f(act_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ act_t from_f(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ float2 to_f2(act2_t x) { return __bfloat1622float2(x); }
+#else
+typedef __half act_t;
+typedef __half2 act2_t;
+__device__ __forceinline__ float to_f(act_t x) { return __half2float(x); }
+__device__ __forceinline__ act_t from_f(float x) { return __float2half(x); }
+__device__ __forceinline__ float2 to_f2(act2_t x) { return __half22float2(x); }
+#endif
+
+#ifndef INFINITY  // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define LANE_DIMS (HEAD_DIM / 32)  // head dims per lane in attention: 8 = one 16-byte load
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; `sh` holds >= 32 floats. Leading barrier: `sh` may be reused back to back.
+__device__ float block_sum(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < nw; i++) s += sh[i];
+  return s;
+}
+
+// Load LANE_DIMS (8) consecutive activations as floats with one 16-byte load.
+__device__ __forceinline__ void load8(const act_t* p, float* f) {
+  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const act2_t* h2 = reinterpret_cast<const act2_t*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    float2 x = to_f2(h2[e]);
+    f[2 * e] = x.x;
+    f[2 * e + 1] = x.y;
+  }
+}
+
