@@ -63,7 +63,8 @@ def retry_after(ahead: int, queue: QueueState, cfg: AdmissionConfig) -> int:
     """Seconds until `ahead` queued requests drain at the measured rate, within [1, max_retry_after_s]."""
     if queue.drain_rate_per_s <= 0:
         return cfg.default_retry_after_s
-    return max(1, min(cfg.max_retry_after_s, math.ceil((ahead + 1) / queue.drain_rate_per_s)))
+    seconds = min(float(cfg.max_retry_after_s), (ahead + 1) / queue.drain_rate_per_s)  # min first: rate may be ~0
+    return max(1, math.ceil(seconds))
 
 
 def kv_tokens_needed(request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> int:

@@ -82,6 +82,7 @@ def test_retry_after_follows_drain_rate():
     assert retry_after(0, Q(rate=100.0), CFG) == 1  # never below 1 s
     assert retry_after(10_000, Q(rate=1.0), CFG) == 60  # capped
     assert retry_after(5, Q(rate=0.0), CFG) == CFG.default_retry_after_s  # nothing measured yet
+    assert retry_after(5, Q(rate=5e-324), CFG) == 60  # a vanishing rate: capped, not an overflow
     d = admit(W(used=100), A(), Q({0: 10}, 2.0), CFG)
     assert d.retry_after_s == 6 and "retry after 6 s" in d.message
     e = expired(Q({0: 3}, 1.0), CFG)
