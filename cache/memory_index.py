@@ -54,6 +54,31 @@ class MemoryPrefixIndex(PrefixIndex):
 
     async def longest_prefix(self, hashes: Sequence[int], tiers: Collection[Tier] | None = None) -> dict[str, int]:
         mask = ALL_TIERS if tiers is None else tier_mask(tiers)
+        if mask == ALL_TIERS:
+            return self._longest_any_tier(hashes)
+        return self._longest_in_tiers(hashes, mask)
+
+    def _longest_any_tier(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Per worker holding the first block: leading blocks in its set, checked in growing chunks with
+        set.issuperset (a C loop), then block by block only inside the chunk that breaks the run."""
+        first = self._blocks.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        now, out = self._clock(), {}
+        for w in first:
+            if self._expires.get(w, 0.0) <= now:
+                continue
+            owned, i, size, n = self._by_worker[w], 0, 16, len(hashes)
+            while i < n:
+                chunk = hashes[i : i + size]
+                if not owned.issuperset(chunk):
+                    i += next(k for k, h in enumerate(chunk) if h not in owned)
+                    break
+                i, size = i + len(chunk), size * 4
+            out[w] = i
+        return out
+
+    def _longest_in_tiers(self, hashes: Sequence[int], mask: int) -> dict[str, int]:
         now = self._clock()
         matched: dict[str, int] = {}
         alive: set[str] | None = None  # workers that held every block so far
