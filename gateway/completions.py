@@ -27,6 +27,7 @@ from gateway.openai_types import (
 )
 from gateway.pool import WorkerPool, WorkerState, iter_chunks
 from gateway.prompt import PromptBuilder
+from gateway import tools as agent_tools
 from gateway.responses import Shaper
 from policy.config import PulseConfig
 from workers.protocol import BackendError, Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
@@ -68,9 +69,12 @@ class CompletionService:
         req = decode(body, ChatRequest)
         validate_chat(req, max_messages=self.cfg.server.max_messages, **self._limits)
         self._check_model(req.model)
-        prompt = self.builder.chat(req.messages)
+        plan = agent_tools.plan_chat(req)  # tools, tool_choice, response_format (400s name the parameter)
+        prompt = agent_tools.build_prompt(self.builder, req.messages, plan)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return req, self._generate_request(req, prompt.ids, req.max_completion_tokens or req.max_tokens, top)
+        gen = self._generate_request(req, prompt.ids, req.max_completion_tokens or req.max_tokens, top)
+        gen.grammar = plan.grammar
+        return req, gen
 
     def parse_completion(self, body: bytes) -> tuple[CompletionRequest, GenerateRequest]:
         req = decode(body, CompletionRequest)
@@ -190,6 +194,8 @@ class CompletionService:
                 rm = self.metrics.request(req.model, start)
                 rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
                 shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
+                if kind == "chat":
+                    shaper = agent_tools.ToolShaper.wrap(req, shaper)  # tool calls out of the text
                 worker, (resp, it), first = await self.open(gen)
                 span.set_attribute(tm.PULSE_WORKER, worker.worker_id)
                 try:

@@ -56,11 +56,13 @@ class PromptBuilder:
         source = template or FAMILY_TEMPLATES.get(architecture, CHATML_TEMPLATE)
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
         self._template = env.from_string(source)
+        # an embedded template that takes `tools` gets them as data; others get gateway/tools.py's instructions
+        self.native_tools = template is not None and "tools" in template
 
-    def chat(self, messages: list[Message]) -> Prompt:
-        rows = [{"role": m.role, "content": _content(m)} for m in messages]
+    def chat(self, messages: list[Message], tools: list[dict] | None = None) -> Prompt:
+        rows = [_row(m) if self.native_tools else {"role": m.role, "content": _content(m)} for m in messages]
         try:
-            text = self._template.render(messages=rows, add_generation_prompt=True, bos_token="")
+            text = self._template.render(messages=rows, tools=tools, add_generation_prompt=True, bos_token="")
         except Exception as e:  # a template error is the request's content meeting the template's rules
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         return Prompt(text, self.encode(text))
@@ -82,10 +84,22 @@ class PromptBuilder:
         return self._tok.encode(text, add_special_tokens=False).ids
 
 
+def _row(m: Message) -> dict:
+    """A message as an embedded tool-aware template expects it (OpenAI field names)."""
+    row = {"role": m.role, "content": text_of(m.content)}
+    if m.tool_calls:
+        row["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                              "arguments": c.function.arguments}} for c in m.tool_calls]
+    if m.tool_call_id:
+        row["tool_call_id"] = m.tool_call_id
+    return row
+
+
 def _content(m: Message) -> str:
     text = text_of(m.content)
-    if m.role == "tool":
-        return f"Tool result{f' ({m.tool_call_id})' if m.tool_call_id else ''}:\n{text}"
+    if m.role == "tool":  # the same words gateway/tools.py's instructions announce results with
+        label = ", ".join(x for x in (m.name, m.tool_call_id) if x)
+        return f"Tool result{f' ({label})' if label else ''}:\n{text}"
     if m.tool_calls:
         calls = "\n".join(f'{{"name": "{c.function.name}", "arguments": {c.function.arguments or "{}"}}}' for c in m.tool_calls)
         return (text + "\n" if text else "") + calls
