@@ -13,6 +13,7 @@ prefix hits: load and session affinity only, and `index_ok` is False (count it i
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,16 +37,18 @@ class RouteResult:
 
 
 class PrefixRouter:
-    def __init__(self, index: PrefixIndex | None, cfg: RoutingConfig, *, sessions_max: int = 100_000):
+    def __init__(self, index: PrefixIndex | None, cfg: RoutingConfig, *, sessions_max: int = 100_000,
+                 hash_cache_bytes: int = 64 << 20):
         self.index = index
         self.cfg = cfg
         self.sessions_max = sessions_max
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> last worker id
         self._seq = itertools.count()
+        self.hashes = SessionHashes(hash_cache_bytes)
 
     async def choose(self, workers: Sequence, gen) -> RouteResult:
         """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
-        hits, index_ok = await self._hits(workers, gen.prompt_ids)
+        hits, index_ok = await self._hits(workers, gen.prompt_ids, gen.session_id)
         loads = [load_of(w) for w in workers]
         session = gen.session_id
         request = RouteRequest(
@@ -61,11 +64,11 @@ class PrefixRouter:
             self._remember(session, chosen.worker_id)
         return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision)
 
-    async def _hits(self, workers: Sequence, prompt_ids: list[int]) -> tuple[dict[str, int], bool]:
+    async def _hits(self, workers: Sequence, prompt_ids: list[int], session: str | None) -> tuple[dict[str, int], bool]:
         if self.index is None or not workers:
             return {}, True
         block_size = workers[0].info.block_size  # one block size per deployment (EngineConfig.block_size)
-        hashes = chain_hashes(prompt_ids, block_size)
+        hashes = self.hashes.chain(session, prompt_ids, block_size)
         if not hashes:
             return {}, True
         try:
@@ -89,3 +92,61 @@ def load_of(w) -> WorkerLoad:
         healthy=w.healthy and w.stats.healthy,
         block_size=w.info.block_size,
     )
+
+
+class SessionHashes:
+    """Block hashes per session, so a growing agent context is hashed only in its new blocks.
+
+    Agents resend their whole context every turn; hashing 16k tokens costs ~1-2 ms of gateway CPU. When
+    a session's new prompt starts with the tokens its last prompt's full blocks covered (a byte compare),
+    those hashes are reused and only the rest is hashed (chain_hashes from the last reused hash). Bounded
+    by `max_bytes` of stored token bytes, least recently used first out.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[int, bytes, list[int]]] = OrderedDict()  # session -> (bs, tokens, hashes)
+        self._bytes = 0
+        self.reused_blocks = 0  # for metrics and tests
+
+    def chain(self, session: str | None, ids: list[int], block_size: int) -> list[int]:
+        if not session or self.max_bytes <= 0:
+            return chain_hashes(ids, block_size)
+        raw = array("I", ids).tobytes()  # the gateway already checked ids are 32-bit non-negative
+        hashes = self._reuse(session, raw, block_size)
+        done = len(hashes) * block_size
+        hashes += chain_hashes(ids[done:], block_size, hashes[-1]) if hashes else chain_hashes(ids, block_size)
+        self._store(session, block_size, raw[: len(hashes) * block_size * 4], hashes)
+        return list(hashes)
+
+    def _reuse(self, session: str, raw: bytes, block_size: int) -> list[int]:
+        entry = self._entries.get(session)
+        if entry is None or entry[0] != block_size:
+            return []
+        _, covered, hashes = entry
+        if raw.startswith(covered):
+            self.reused_blocks += len(hashes)
+            return list(hashes)
+        # An edit (or a shorter prompt): reuse the blocks before the first differing one, found by a
+        # binary search of C-level prefix compares.
+        step = 4 * block_size
+        lo, hi = 0, min(len(raw), len(covered)) // step
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if raw[: mid * step] == covered[: mid * step]:
+                lo = mid
+            else:
+                hi = mid - 1
+        keep = lo
+        self.reused_blocks += keep
+        return list(hashes[:keep])
+
+    def _store(self, session: str, block_size: int, covered: bytes, hashes: list[int]) -> None:
+        old = self._entries.pop(session, None)
+        if old is not None:
+            self._bytes -= len(old[1])
+        self._entries[session] = (block_size, covered, hashes)
+        self._bytes += len(covered)
+        while self._bytes > self.max_bytes and self._entries:
+            _, (_, dropped, _) = self._entries.popitem(last=False)
+            self._bytes -= len(dropped)

@@ -58,3 +58,25 @@ async def test_no_healthy_worker():
     w.stats = BackendStats(healthy=False)
     r = await PrefixRouter(None, RoutingConfig()).choose([w], gen(PROMPT))
     assert r.worker is None and r.reason == "no_healthy_worker"
+
+
+def test_session_hashes_match_a_fresh_hash_and_reuse_blocks():
+    from gateway.router import SessionHashes
+
+    cache = SessionHashes(1 << 20)
+    turn1 = list(range(1000))
+    assert cache.chain("s", turn1, 16) == chain_hashes(turn1, 16)
+    turn2 = turn1 + list(range(5000, 5300))  # the agent resends its context plus a new turn
+    assert cache.chain("s", turn2, 16) == chain_hashes(turn2, 16)
+    assert cache.reused_blocks == 62
+    edited = turn2[:500] + [7] + turn2[501:]  # an edit in the middle: blocks from 496 on change
+    assert cache.chain("s", edited, 16) == chain_hashes(edited, 16)
+    assert cache.reused_blocks == 62 + 31
+    assert cache.chain("s", turn1[:40], 16) == chain_hashes(turn1[:40], 16)  # shorter than before
+    assert cache.chain("s", edited, 8) == chain_hashes(edited, 8)  # another block size: no reuse
+    assert cache.chain(None, turn1, 16) == chain_hashes(turn1, 16)
+    small = SessionHashes(6000)  # room for one 1,000-token prompt (3,968 bytes of full blocks)
+    small.chain("a", turn1, 16)
+    small.chain("b", turn1, 16)
+    small.chain("a", turn2, 16)
+    assert small.reused_blocks == 0  # "a" was evicted by "b"
