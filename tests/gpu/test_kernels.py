@@ -71,7 +71,8 @@ def test_qkv_post(k):
     q_out = cp.full((t, NH * HD), np.nan, cp.float16)
     kc = cp.zeros((nb, bs, NKV, HD), cp.float16)
     vc = cp.zeros((nb, bs, NKV, HD), cp.float16)
-    k.qkv_post(cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slots), 1e6, 1.0, EPS,
+    table = [cp.asarray(a) for a in OPS.rope_tables(np.arange(30000), 1e6, HD)]
+    k.qkv_post(cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slots), *table, EPS,
                NH, NKV, q_out, kc, vc)
     cos, sin = OPS.rope_tables(pos, 1e6, HD)
     q = OPS.apply_rope(OPS.rms_norm(qkv[:, : NH * HD].reshape(t, NH, HD), qn, EPS), cos, sin)
@@ -174,7 +175,7 @@ def test_gemv_prologues(k, m, mode):
         k.gemv(GEMV_GELU, cp.asarray(w), out, src=cp.asarray(gu))
         xref = OPS.gelu_tanh_mul(gu[:, :kdim], gu[:, kdim:])
     elif mode == "add_norm":
-        r = (RNG.standard_normal((m, kdim)) * 30).astype(np.float32)
+        r = (RNG.standard_normal((m, kdim)) * 30).astype(np.float32)  # noqa: E501
         d = RNG.standard_normal((m, kdim)).astype(np.float32)
         k.gemv(GEMV_ADD_NORM, cp.asarray(w), out, src=cp.asarray(d), resid_in=cp.asarray(r), resid_out=resid_out,
                w_post=cp.asarray(w_post), w_norm=cp.asarray(w_norm), eps=EPS)
@@ -196,7 +197,8 @@ def test_attention_fused_decode_equals_separate(k):
     """A decode step's fused attention (QK-norm, RoPE, KV write inside) matches qkv_post + attention."""
     bs, nb, b = 16, 64, 5
     lens = np.array([1, 17, 100, 513, 700], np.int32)  # context after the step, this token included
-    tables = RNG.permutation(nb)[: b * 12].reshape(b, 12).astype(np.int32)
+    nb = 5 * 48
+    tables = RNG.permutation(nb).reshape(b, 48).astype(np.int32)
     pos = (lens - 1).astype(np.int32)
     slots = (tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs)
     qkv = (RNG.standard_normal((b, (NH + 2 * NKV) * HD)) * 2).astype(np.float32)
@@ -204,6 +206,7 @@ def test_attention_fused_decode_equals_separate(k):
     base_k = RNG.standard_normal((nb, bs, NKV, HD)).astype(np.float16)
     base_v = RNG.standard_normal((nb, bs, NKV, HD)).astype(np.float16)
     rows = cp.arange(b, dtype=cp.int32)
+    rc, rs = (cp.asarray(a) for a in OPS.rope_tables(np.arange(1024), 1e4, HD))
     args = [cp.asarray(a) for a in (tables,)] + [rows, cp.asarray(pos)]
     outs, caches = [], []
     for fused in (False, True):
@@ -212,9 +215,9 @@ def test_attention_fused_decode_equals_separate(k):
         q = cp.full((b, NH * HD), np.nan, cp.float16)
         d_qkv, d_qn, d_kn, d_slots = cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(slots)
         if not fused:
-            k.qkv_post(d_qkv, d_qn, d_kn, cp.asarray(pos), d_slots, 1e4, 1.0, EPS, NH, NKV, q, kc, vc)
+            k.qkv_post(d_qkv, d_qn, d_kn, cp.asarray(pos), d_slots, rc, rs, EPS, NH, NKV, q, kc, vc)
         k.attention(None if fused else q, kc, vc, *args, bs, 512, 1 / 16, NKV, out,
-                    fused=(d_qkv, d_qn, d_kn, d_slots, 1e4, 1.0, EPS) if fused else None)
+                    fused=(d_qkv, d_qn, d_kn, d_slots, rc, rs, EPS) if fused else None)
         outs.append(out.get())
         caches.append((kc.get(), vc.get()))
     assert rel(outs[1], outs[0]) < 2e-3

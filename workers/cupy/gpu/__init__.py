@@ -26,10 +26,15 @@ class GpuSampler(Sampler):
 
         super().__init__(cupy, **kw)
         self.model = model
+        self.engine = None  # set by create_gpu_engine: grammar masks (engine.constraints) void the kernel's argmax
+
+    def _masked(self) -> bool:
+        c = getattr(self.engine, "constraints", None)
+        return c is not None and bool(getattr(c, "_matchers", True))
 
     def sample(self, logits, rows):
         chosen = getattr(self.model, "last_chosen", None)
-        if (chosen is not None and chosen.shape[0] == len(rows)
+        if (chosen is not None and chosen.shape[0] == len(rows) and not self._masked()
                 and all((r.params.temperature <= 0 or r.params.top_k == 1) and r.logprobs is None for r in rows)):
             return chosen.get().astype(np.int64), [None] * len(rows)
         return super().sample(logits, rows)
@@ -55,5 +60,7 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
     kv = model.kv_storage(num_blocks, block_size)
     blocks = BlockManager(num_blocks, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
-    return Engine(model, kv, blocks, scheduler, GpuSampler(model), info.eos_token_ids, context_length,
-                  info.vocab_size, seed)
+    sampler = GpuSampler(model)
+    engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
+    sampler.engine = engine
+    return engine

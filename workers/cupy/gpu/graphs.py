@@ -23,11 +23,12 @@ class DecodeGraphs:
         g = self.sizes[-1]
         self.scratch_slot = (kv.k.shape[1] - 1) * block_size  # the extra block kv_storage() added
         self.ws = Workspace.allocate(model.cfg, g, g, model.act)
-        # packed per-step input: positions (g), then block tables (g x max_blocks); pinned host mirror
-        self.inp = cp.zeros(g * (1 + max_blocks), cp.int32)
+        # packed per-step input, one host-to-device copy a step: positions (g), token ids (g), then the block
+        # tables (g x max_blocks); a pinned host mirror
+        self.inp = cp.zeros(g * (2 + max_blocks), cp.int32)
         self.host = cp.cuda.alloc_pinned_memory(self.inp.nbytes)
         self.host_view = np.frombuffer(self.host, np.int32, self.inp.size)
-        self.tok = cp.zeros(g, cp.int32)
+        self.tok = self.inp[g : 2 * g]
         self.pos = cp.zeros(g, cp.int32)
         self.slots = cp.zeros(g, cp.int64)
         self.tok_row = cp.arange(g, dtype=cp.int32)
@@ -43,7 +44,8 @@ class DecodeGraphs:
 
     def _tables(self, g: int):
         # rows of the packed tables keep their full width so a graph of any size indexes them the same way
-        return self.inp[self.sizes[-1]:].reshape(self.sizes[-1], self.max_blocks)[:g]
+        big = self.sizes[-1]
+        return self.inp[2 * big :].reshape(big, self.max_blocks)[:g]
 
     def _step(self, g: int) -> None:
         m, ws = self.model, self.ws.view(g, g)
@@ -69,19 +71,23 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= n), None)
 
     def load(self, token_ids, positions: np.ndarray, block_tables: np.ndarray, g: int) -> None:
-        """Stage one step's inputs on the current stream: device token ids, host positions and tables."""
+        """Stage one step's inputs (host arrays; token ids may already be on the device) on the current stream."""
         n, width = block_tables.shape
         big = self.sizes[-1]
         h = self.host_view
         h[:big] = -1
         h[:n] = positions
-        tables = h[big:].reshape(big, self.max_blocks)
+        on_device = isinstance(token_ids, cp.ndarray)
+        if not on_device:
+            h[big : big + n] = token_ids
+        tables = h[2 * big :].reshape(big, self.max_blocks)
         tables[:n, :width] = block_tables
-        # positions and the first g table rows only; the host buffer is reused next step, after the engine's
-        # own synchronisation on the sampled ids
-        nbytes = 4 * (big + g * self.max_blocks)
+        # positions, tokens and the first g table rows only; the host buffer is reused next step, after the
+        # engine's own synchronisation on the sampled ids
+        nbytes = 4 * (2 * big + g * self.max_blocks)
         self.inp.data.copy_from_host_async(ctypes.c_void_p(self.host.ptr), nbytes, cp.cuda.get_current_stream())
-        self.tok[:n] = token_ids
+        if on_device:
+            self.tok[:n] = token_ids
 
     def replay(self, g: int) -> None:
         self.graphs[g].launch(cp.cuda.get_current_stream())

@@ -52,51 +52,64 @@ extern "C" __global__ void add_norm(float* __restrict__ resid, const float* __re
   }
 }
 
-// cos and sin of thread d's RoPE angle (NeoX: dims d and d + HEAD_DIM/2 share frequency d mod HEAD_DIM/2).
-// The angle in float64 like the NumPy path (positions up to 32k times 1e6-base frequencies).
-__device__ __forceinline__ void rope_cs(int p, float theta, float pos_scale, float* c, float* s) {
-  const int i = threadIdx.x % (HEAD_DIM / 2);
-  const double ang = ((double)p / pos_scale) * pow((double)theta, -2.0 * i / HEAD_DIM);
-  *c = (float)cos(ang);
-  *s = (float)sin(ang);
-}
-
-// QK-norm then RoPE of one head held one element per thread (blockDim == HEAD_DIM); all threads must call.
-__device__ float norm_rope(float x, float w, float c, float s, float eps, float* buf, float* sh) {
-  const int d = threadIdx.x, half_d = HEAD_DIM / 2;
-  const float y = x * rsqrtf(block_sum(x * x, sh) / HEAD_DIM + eps) * w;
-  buf[d] = y;
+// QK-norm then NeoX RoPE for all NR heads of one token at once, one element per thread (blockDim ==
+// HEAD_DIM): every load issued up front, one block reduction for all heads' sums, one exchange for the rotation
+// partners. x[h] is head h's raw element d; w[h] its norm weight; cos/sin come from the model's tables (float64
+// angles rounded once, as the NumPy path does). Returns the rotated values in x. All threads must call.
+template <int NR>
+__device__ void norm_rope_heads(float* x, const float* w, float c, float s, float eps, float (*buf)[HEAD_DIM],
+                                float (*sh)[32]) {
+  const int d = threadIdx.x, lane = d & 31, warp = d >> 5, nw = HEAD_DIM / 32, half_d = HEAD_DIM / 2;
+#pragma unroll
+  for (int h = 0; h < NR; h++) {
+    const float v = warp_sum(x[h] * x[h]);
+    if (lane == 0) sh[h][warp] = v;
+  }
   __syncthreads();
-  const float partner = buf[d < half_d ? d + half_d : d - half_d];
+#pragma unroll
+  for (int h = 0; h < NR; h++) {
+    float ss = 0.f;
+    for (int i = 0; i < nw; i++) ss += sh[h][i];
+    x[h] = x[h] * rsqrtf(ss / HEAD_DIM + eps) * w[h];
+    buf[h][d] = x[h];
+  }
   __syncthreads();
-  return d < half_d ? y * c - partner * s : y * c + partner * s;
+#pragma unroll
+  for (int h = 0; h < NR; h++) {
+    const float partner = buf[h][d < half_d ? d + half_d : d - half_d];
+    x[h] = d < half_d ? x[h] * c - partner * s : x[h] * c + partner * s;
+  }
 }
 
 // After the fused q/k/v product: QK-norm and RoPE on q and k, q written for attention, k and v written into
 // the paged cache at the token's slot. One block of HEAD_DIM threads per token. (Decode steps fold this into
 // the attention kernel instead; prefill chunks need every token's K/V written before any attention reads.)
+// Written for one KV head (Gemma 3): GROUP query heads + 1 key head.
 extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* __restrict__ qn_w,
                                     const float* __restrict__ kn_w, const int* __restrict__ pos,
-                                    const long long* __restrict__ slots, float theta, float pos_scale, float eps,
-                                    int NH, int NKV, act_t* __restrict__ q_out, act_t* __restrict__ kc,
-                                    act_t* __restrict__ vc) {
-  __shared__ float sh[32];
-  __shared__ float buf[HEAD_DIM];
+                                    const long long* __restrict__ slots, const float* __restrict__ rcos,
+                                    const float* __restrict__ rsin, float eps, int NH, int NKV,
+                                    act_t* __restrict__ q_out, act_t* __restrict__ kc, act_t* __restrict__ vc) {
+  __shared__ float sh[GROUP + 1][32];
+  __shared__ float buf[GROUP + 1][HEAD_DIM];
   const size_t t = blockIdx.x;
-  const int d = threadIdx.x;
-  const float* row = qkv + t * (size_t)(NH + 2 * NKV) * HEAD_DIM;
+  const int d = threadIdx.x, half_d = HEAD_DIM / 2;
+  const float* row = qkv + t * (size_t)(GROUP + 2) * HEAD_DIM;
   const long long slot = slots[t];
-  float c, s;
-  rope_cs(pos[t], theta, pos_scale, &c, &s);
-  for (int h = 0; h < NH + NKV; h++) {
-    const float o = norm_rope(row[h * HEAD_DIM + d], h < NH ? qn_w[d] : kn_w[d], c, s, eps, buf, sh);
-    if (h < NH)
-      q_out[(t * NH + h) * HEAD_DIM + d] = from_f(o);
-    else
-      kc[((size_t)slot * NKV + (h - NH)) * HEAD_DIM + d] = from_f(o);
+  const size_t p = pos[t];
+  float x[GROUP + 1], w[GROUP + 1];
+#pragma unroll
+  for (int h = 0; h <= GROUP; h++) {
+    x[h] = row[h * HEAD_DIM + d];
+    w[h] = h < GROUP ? qn_w[d] : kn_w[d];
   }
-  for (int h = 0; h < NKV; h++)
-    vc[((size_t)slot * NKV + h) * HEAD_DIM + d] = from_f(row[(NH + NKV + h) * HEAD_DIM + d]);
+  const float v = row[(GROUP + 1) * HEAD_DIM + d];
+  const float c = rcos[p * half_d + d % half_d], s = rsin[p * half_d + d % half_d];
+  norm_rope_heads<GROUP + 1>(x, w, c, s, eps, buf, sh);
+#pragma unroll
+  for (int h = 0; h < GROUP; h++) q_out[(t * GROUP + h) * HEAD_DIM + d] = from_f(x[h]);
+  kc[(size_t)slot * HEAD_DIM + d] = from_f(x[GROUP]);
+  vc[(size_t)slot * HEAD_DIM + d] = from_f(v);
 }
 
 #define ATT_WARPS 8
@@ -114,11 +127,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
               const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ tok_row,
               const int* __restrict__ pos, int block_size, int window, float scale, int NKV,
               act_t* __restrict__ out, const float* __restrict__ qkv, const float* __restrict__ qn_w,
-              const float* __restrict__ kn_w, const long long* __restrict__ slots, float theta, float pos_scale,
-              float eps) {
+              const float* __restrict__ kn_w, const long long* __restrict__ slots, const float* __restrict__ rcos,
+              const float* __restrict__ rsin, float eps) {
   __shared__ float sc[GROUP][ATT_CHUNK];
-  __shared__ float qs[GROUP][HEAD_DIM];  // fused decode: this CTA's normed, rotated queries
-  __shared__ float nbuf[HEAD_DIM], nsh[32];
+  __shared__ float qs[GROUP + 1][HEAD_DIM];  // fused decode: QK-norm/RoPE exchange, then the queries
+  __shared__ float nsh[GROUP + 1][32];
+  __shared__ int sbt[ATT_CHUNK / 8 + 2];  // the block-table entries one chunk of keys spans
   __shared__ float red[ATT_WARPS][GROUP][HEAD_DIM];
   __shared__ float chunk_m[GROUP], chunk_s[GROUP];
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
@@ -132,17 +146,25 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 
   if (qkv) {
     // fused decode step (qkv != null): each token is its own sequence's only query, so this CTA can do the
-    // token's QK-norm, RoPE and KV write itself and then read the cache (its own key included) after a barrier
-    const float* row = qkv + (size_t)t * (NH + 2 * NKV) * HEAD_DIM;
-    const int d = threadIdx.x;
-    float c, s;
-    rope_cs(p, theta, pos_scale, &c, &s);
-    for (int g = 0; g < GROUP; g++)
-      qs[g][d] = norm_rope(row[(kvh * GROUP + g) * HEAD_DIM + d], qn_w[d], c, s, eps, nbuf, nsh);
-    const float ko = norm_rope(row[(NH + kvh) * HEAD_DIM + d], kn_w[d], c, s, eps, nbuf, nsh);
+    // token's QK-norm, RoPE and KV write itself and then read the cache (its own key included) after a barrier.
+    // Written for one KV head (Gemma 3).
+    const float* row = qkv + (size_t)t * (GROUP + 2) * HEAD_DIM;
+    const int d = threadIdx.x, half_d = HEAD_DIM / 2;
+    float x[GROUP + 1], w[GROUP + 1];
+#pragma unroll
+    for (int h = 0; h <= GROUP; h++) {
+      x[h] = row[h * HEAD_DIM + d];
+      w[h] = h < GROUP ? qn_w[d] : kn_w[d];
+    }
+    const float v = row[(GROUP + 1) * HEAD_DIM + d];
+    const float c = rcos[(size_t)p * half_d + d % half_d], s = rsin[(size_t)p * half_d + d % half_d];
     const size_t slot = (size_t)slots[t];
-    kc[(slot * NKV + kvh) * HEAD_DIM + d] = from_f(ko);
-    vc[(slot * NKV + kvh) * HEAD_DIM + d] = from_f(row[(NH + NKV + kvh) * HEAD_DIM + d]);
+    norm_rope_heads<GROUP + 1>(x, w, c, s, eps, qs, nsh);
+    __syncthreads();  // every partner read of qs is done before qs is overwritten with the results
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) qs[g][d] = x[g];
+    kc[slot * HEAD_DIM + d] = from_f(x[GROUP]);
+    vc[slot * HEAD_DIM + d] = from_f(v);
     __syncthreads();  // the K/V writes and qs are visible to the whole block
   }
   float qr[GROUP][LANE_DIMS], acc[GROUP][LANE_DIMS], m[GROUP], l[GROUP];
@@ -165,6 +187,11 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 
   for (int c0 = start; c0 < end; c0 += ATT_CHUNK) {
     const int n = min(ATT_CHUNK, end - c0);
+    // the chunk's block-table entries, once, so each key costs one dependent load instead of two
+    const int b0 = c0 / block_size, nb = (c0 + n - 1) / block_size - b0 + 1;
+    __syncthreads();  // the previous chunk's readers of sbt are done
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) sbt[i] = bt[b0 + i];
+    __syncthreads();
     // scores: ATT_UNROLL keys per warp per iteration, all loads issued before the first use (each key's
     // block-table lookup and 16-byte load would otherwise be one full memory latency apiece)
     for (int j0 = warp; j0 < n; j0 += ATT_WARPS * ATT_UNROLL) {
@@ -174,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         const int j = j0 + u * ATT_WARPS;
         if (j < n) {
           const int kp = c0 + j;
-          const size_t slot = (size_t)bt[kp / block_size] * block_size + kp % block_size;
+          const size_t slot = (size_t)sbt[kp / block_size - b0] * block_size + kp % block_size;
           load8(kc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, kf[u]);
         }
       }
@@ -228,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         const int j = j0 + u * ATT_WARPS;
         if (j < n) {
           const int kp = c0 + j;
-          const size_t slot = (size_t)bt[kp / block_size] * block_size + kp % block_size;
+          const size_t slot = (size_t)sbt[kp / block_size - b0] * block_size + kp % block_size;
           load8(vc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, vf[u]);
         }
       }

@@ -45,8 +45,8 @@ class Kernels:
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
             "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin", "gemv")}
-        # GELU mode stages M x 2048 floats: past the default 48 KB of dynamic shared memory
-        self._f["gemv"].max_dynamic_shared_size_bytes = 4 * GEMV_MAX_M * 4096
+        # the norm modes stage 4 x M x K floats (80 KB at M=8, K=640): past the default 48 KB
+        self._f["gemv"].max_dynamic_shared_size_bytes = 128 * 1024
 
     def embed_norm(self, tok, emb, scale: float, w, eps: float, resid, out):
         t, h = resid.shape
@@ -61,23 +61,27 @@ class Kernels:
         self._f["add_norm"]((n,), (NORM_THREADS,), (resid, delta, w_post, w_next, rows, np.float32(eps),
                                                      np.int32(h), out), shared_mem=4 * h)
 
-    def qkv_post(self, qkv, qn_w, kn_w, pos, slots, theta: float, pos_scale: float, eps: float,
-                 n_heads: int, n_kv: int, q_out, k_cache, v_cache):
+    def qkv_post(self, qkv, qn_w, kn_w, pos, slots, rope_cos, rope_sin, eps: float, n_heads: int, n_kv: int,
+                 q_out, k_cache, v_cache):
+        """rope_cos/rope_sin: (positions, head_dim/2) fp32 tables. One KV head (Gemma 3's layout)."""
+        assert n_kv == 1 and n_heads == self.group
         t = qkv.shape[0]
         self._f["qkv_post"]((t,), (self.head_dim,), (
-            qkv, qn_w, kn_w, pos, slots, np.float32(theta), np.float32(pos_scale), np.float32(eps),
-            np.int32(n_heads), np.int32(n_kv), q_out, k_cache, v_cache))
+            qkv, qn_w, kn_w, pos, slots, rope_cos, rope_sin, np.float32(eps), np.int32(n_heads), np.int32(n_kv),
+            q_out, k_cache, v_cache))
 
     def attention(self, q, k_cache, v_cache, block_tables, tok_row, pos, block_size: int, window: int,
                   scale: float, n_kv: int, out, fused=None):
-        """fused: None, or (qkv, q_norm_w, k_norm_w, slots, theta, pos_scale, eps) for a pure decode step, where
+        """fused: None, or (qkv, q_norm_w, k_norm_w, slots, rope_cos, rope_sin, eps) for a pure decode step, where
         the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused)."""
+        assert block_size >= 8, "the attention kernel stages a chunk's block-table entries for blocks >= 8 tokens"
         t = out.shape[0]
         if fused is None:
-            extra = (_NULL, _NULL, _NULL, _NULL, np.float32(0), np.float32(1), np.float32(0))
+            extra = (_NULL, _NULL, _NULL, _NULL, _NULL, _NULL, np.float32(0))
         else:
-            qkv, qn, kn, slots, theta, pos_scale, eps = fused
-            extra = (qkv, qn, kn, slots, np.float32(theta), np.float32(pos_scale), np.float32(eps))
+            qkv, qn, kn, slots, rcos, rsin, eps = fused
+            assert n_kv == 1
+            extra = (qkv, qn, kn, slots, rcos, rsin, np.float32(eps))
         self._f["attention"]((t, n_kv), (256,), (
             q if q is not None else _NULL, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row,
             pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra)
@@ -87,14 +91,15 @@ class Kernels:
         """out[M, N] (fp32) = prologue(...)[M, K] @ w[N, K].T for M <= GEMV_MAX_M (see gemv.cu for the modes)."""
         m, n = out.shape
         k = w.shape[1]
-        assert m <= GEMV_MAX_M and k % 8 == 0 and w.shape[0] == n
+        assert m <= GEMV_MAX_M and k % 8 == 0 and k <= 2048 and w.shape[0] == n
+        smem = 4 * m * k * (4 if mode in (GEMV_ADD_NORM, GEMV_EMBED) else 1)
 
         def p(a):
             return _NULL if a is None else a
 
         self._f["gemv"](((n + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (256,), (
             np.int32(mode), np.int32(m), np.int32(k), np.int32(n), w, p(x_act), p(src), p(resid_in), p(resid_out),
-            p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out), shared_mem=4 * m * k)
+            p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out), shared_mem=smem)
 
     def gelu_mul(self, gate_up, out):
         t, f = out.shape
