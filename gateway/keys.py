@@ -218,7 +218,7 @@ class FileKeyStore(KeyStore):
 
 
 class RedisKeyStore(KeyStore):
-    """Keys shared by every gateway: NS keys:salt, NS key:<id> (hash), NS keys:ids (set)."""
+    """Keys shared by every gateway: NS keys:salt, NS key:<id> (hash), NS keys:ids and NS keys:active (sets)."""
 
     def __init__(self, client, namespace: str = "pulse:", timeout_s: float = 0.05, retry_interval_s: float = 1.0,
                  stale_ttl_s: float = 300.0, bulk_timeout_s: float = 5.0):
@@ -246,6 +246,10 @@ class RedisKeyStore(KeyStore):
 
         rows = await self.guard.run(read, "keys list", self.bulk_timeout_s)
         return sorted((_from_hash(v) for v in rows), key=lambda k: k.created_at)
+
+    async def has_keys(self) -> bool:
+        """One SCARD, so gateways can re-check it often."""
+        return await self.guard.run(lambda: self._r.scard(self.ns + "keys:active"), "keys count") > 0
 
     async def _salt(self) -> str:
         if self._salt_value is None:
@@ -278,6 +282,10 @@ class RedisKeyStore(KeyStore):
             async with self._r.pipeline(transaction=True) as p:
                 p.hset(self.ns + "key:" + record.key_id, mapping=fields)
                 p.sadd(self.ns + "keys:ids", record.key_id)
+                if record.active:
+                    p.sadd(self.ns + "keys:active", record.key_id)
+                else:
+                    p.srem(self.ns + "keys:active", record.key_id)
                 await p.execute()
 
         await self.guard.run(write, "key put", self.bulk_timeout_s)
