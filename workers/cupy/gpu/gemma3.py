@@ -215,9 +215,9 @@ class GpuGemma3:
         ws = Workspace.allocate(self.cfg, t, s, self.act)
         tok_row = cp.asarray(np.repeat(np.arange(meta.seq_lens.size, dtype=np.int32), np.diff(meta.query_start)))
         tables = cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32))
-        self.run(ws, cp.ascontiguousarray(batch.token_ids, cp.int32), cp.ascontiguousarray(batch.positions, cp.int32),
-                 cp.ascontiguousarray(batch.slot_mapping, cp.int64), tok_row, tables,
-                 cp.ascontiguousarray(batch.logits_indices, cp.int64), kv, meta.block_size)
+        self.run(ws, cp.asarray(batch.token_ids, cp.int32), cp.asarray(batch.positions, cp.int32),
+                 cp.asarray(batch.slot_mapping, cp.int64), tok_row, tables, cp.asarray(batch.logits_indices, cp.int64),
+                 kv, meta.block_size)
         self.last_chosen = ws.chosen
         return ws.logits
 
