@@ -55,3 +55,16 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, sampling=GREE
             if out.finish_reason:
                 final[out.request_id] = out
     return [tokens[f"{tag}{i}"] for i in range(len(prompts))], [final[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def prompt_logits(ids: list[int]) -> np.ndarray:
+    """The engine's next-token logits after the whole prompt, from one prefill step on a fresh engine."""
+    from workers.cupy.batch import build_batch
+
+    engine = make_engine(max_step_tokens=len(ids))
+    engine.add(GenerateRequest(request_id="logits", prompt_ids=ids, max_tokens=1))
+    scheduled = engine.scheduler.schedule()
+    assert [n for _, n in scheduled] == [len(ids)], "the prompt must fit one step"
+    logits = engine.model.forward(build_batch(scheduled, engine.blocks.block_size, np), engine.kv)
+    engine.abort("logits")
+    return np.asarray(logits[0])
