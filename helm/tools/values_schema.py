@@ -17,8 +17,10 @@ from pathlib import Path
 from policy.config import PulseConfig
 
 SCHEMA = Path(__file__).resolve().parents[1] / "pulse" / "values.schema.json"
-_DROP = {"title", "default"}
-_CHART_DEFS = {"ResourceRequirements"}  # written by hand in values.schema.json, kept as they are  # noise for Helm: it neither shows titles nor applies schema defaults
+# Helm neither shows these nor applies schema defaults; leaving them out also means only a change to what
+# is accepted (a field, a type, a range) makes values.schema.json stale, not a reworded description.
+_DROP = {"title", "default", "description"}
+_CHART_DEFS = {"ResourceRequirements"}  # written by hand in values.schema.json, kept as they are
 
 
 def _clean(node, names: bool = False):
