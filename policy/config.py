@@ -141,7 +141,8 @@ class RoutingConfig(PulseModel):
         256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
     )
     block_ttl_s: float = Field(
-        600.0, gt=0, description="Prefix-index entries lapse this long after their last publish (safety net)."
+        600.0, gt=0, description="A worker's prefix-index entries lapse this long after its last publish, evict or "
+        "snapshot (safety net behind evictions; workers snapshot well inside it)."
     )
 
 
