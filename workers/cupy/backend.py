@@ -80,7 +80,9 @@ class EngineBackend(Backend):
         sizes = self._sizes()
         log.info("engine on %s: %s", self.device, sizes)
         engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, ops=_ops_for(xp), **sizes)
-        return engine, load_tokenizer(self._info.path)
+        tokenizer = load_tokenizer(self._info.path)
+        engine.constraints = _constraints(tokenizer, self._info, xp)
+        return engine, tokenizer
 
     async def close(self) -> None:
         thread, self._thread = self._thread, None
@@ -173,6 +175,8 @@ class EngineBackend(Backend):
         if request.request_id in self._streams:
             raise BackendError(f"request id {request.request_id!r} is already running", 400,
                                "invalid_request_error")
+        if request.grammar is not None:  # compile off the engine thread (cached per schema) so steps never wait
+            await _prepare_grammar(self._engine, request.grammar)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = q
         self._inbox.put(("add", request))
@@ -248,6 +252,24 @@ class _ChunkStream:
             return Usage(prompt_tokens=len(self.request.prompt_ids))
         return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                      cached_tokens=out.cached_tokens)
+
+
+def _constraints(tokenizer, info, xp):
+    """Grammar support for the engine (its vocabulary index builds in the background from here on)."""
+    from workers.cupy.constrain import Constraints, GrammarCompiler
+
+    return Constraints(GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids), xp)
+
+
+async def _prepare_grammar(engine: Engine, schema_text: str) -> None:
+    from workers.cupy.constrain import GrammarError
+
+    try:
+        await asyncio.to_thread(engine.constraints.compiler.prepare, schema_text)
+    except GrammarError as exc:
+        raise BackendError(f"the grammar cannot be compiled: {exc}", 400, "invalid_request_error") from None
+    except RuntimeError as exc:
+        raise BackendError(str(exc), 503) from None
 
 
 def _ops_for(xp):

@@ -41,6 +41,7 @@ class Engine:
         self.context_length, self.vocab_size = context_length, vocab_size
         self.rng = np.random.default_rng(seed)
         self.seqs: dict[str, Sequence] = {}
+        self.constraints = None  # workers.cupy.constrain.Constraints: set by the backend to serve grammars
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
 
     @property
@@ -66,12 +67,18 @@ class Engine:
             request_id=request.request_id, token_ids=prompt, max_tokens=min(request.max_tokens, room),
             sampling=request.sampling, stop_token_ids=frozenset(stop_ids), logprobs=request.logprobs,
         )
+        if request.grammar is not None:
+            if self.constraints is None:
+                raise ValueError("this engine does not serve constrained (grammar) requests")
+            self.constraints.attach(seq.request_id, request.grammar)  # GrammarError (a ValueError) if bad
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str, reason: str = "cancelled") -> StepOutput | None:
         seq = self.seqs.pop(request_id, None)
+        if self.constraints is not None:
+            self.constraints.release(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return None
         self.scheduler.finish(seq, reason)
@@ -102,7 +109,17 @@ class Engine:
     def _sample(self, logits, seqs: list[Sequence]) -> list[StepOutput]:
         rows = [SampleRow(s.sampling, uniform_for(s.sampling.seed, s.num_output, self.rng), s.logprobs)
                 for s in seqs]
+        raw = None
+        if self.constraints is not None:  # grammar-constrained rows: disallowed tokens masked on the device
+            ids = [s.request_id for s in seqs]
+            if any(s.logprobs is not None and s.request_id in self.constraints for s in seqs):
+                raw = logits.copy()  # logprobs report the model's own distribution, not the masked one
+            logits = self.constraints.apply(logits, ids)
         tokens, logprobs = self.sampler.sample(logits, rows)
+        if self.constraints is not None:
+            self.constraints.advance(ids, tokens.tolist())
+            if raw is not None:
+                logprobs = self.sampler._logprobs(raw, tokens, rows)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
             seq.token_ids.append(token)
@@ -114,6 +131,8 @@ class Engine:
             if reason:
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.request_id, None)
+                if self.constraints is not None:
+                    self.constraints.release(seq.request_id)
             outputs.append(self._output(seq, [token], lp))
         return outputs
 

@@ -1,0 +1,169 @@
+"""Grammar-constrained decoding: one llguidance matcher per constrained sequence, and the allowed-token
+mask applied to the step's logits on the device (`xp`) before sampling.
+
+Why llguidance: on the 2-core box, with the bundled 262,144-token Gemma 3 vocabulary, it compiled a JSON
+schema in ~1 ms (xgrammar ~200 ms, outlines-core ~2 s and ~60 s for "any object") and computed a step's
+mask in ~20 µs median; it needs no torch (xgrammar does); and its matchers roll back, which speculation
+needs (BENCHMARKS.md, "Constrained decoding", has the figures and commands).
+
+The grammar a request carries (GenerateRequest.grammar) is a JSON schema as text: the same text
+llama-server's `json_schema` takes, so both backends enforce one thing.
+
+Per step: the host computes a packed bitmask (1 bit per token, 32 KiB per row) for the constrained rows
+only; that is what crosses to the device, where it is unpacked and the disallowed logits are pushed to
+a very negative finite value (not -inf: logprobs stay finite JSON numbers, and temperature scaling
+cannot make inf - inf).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import llguidance as llg
+import numpy as np
+
+# How JSON is laid out: one space after ':' and ',' (what the model writes unconstrained, so it stays in
+# its own distribution), no free whitespace (a constrained model can otherwise pad forever).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Bounds on what one schema may cost to build and to step (llguidance's own fuel and size limits).
+LIMITS = dict(max_grammar_size=200_000, max_lexer_states=50_000, initial_lexer_fuel=2_000_000,
+              step_lexer_fuel=500_000, step_max_items=100_000)
+MASKED = -1e30  # logit for a disallowed token (float32); see the module docstring for why not -inf
+
+
+class GrammarError(ValueError):
+    """The schema cannot be compiled; the message says why (a client error)."""
+
+
+def grammar_from_schema(schema_text: str) -> str:
+    """llguidance's grammar for a JSON schema given as JSON text; GrammarError when it is not one."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError as e:
+        raise GrammarError(f"the schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+
+
+class GrammarCompiler:
+    """Compiles schemas against the model's vocabulary, once per schema (LRU cache of pristine matchers).
+
+    The vocabulary index takes ~10 s to build for 262k tokens, so it is built in a background thread from
+    construction on; `prepare()` waits for it, and is meant to be called off the engine thread (the
+    backend's `generate` does it in a worker thread) so the step loop never waits on it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 256):
+        self.vocab_size = vocab_size
+        self._cache: collections.OrderedDict[str, llg.LLMatcher] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._lltok: llg.LLTokenizer | None = None
+        self._error: Exception | None = None
+        self._limits = llg.LLParserLimits(**LIMITS)
+        args = (tokenizer.to_str(), vocab_size, list(eos_token_ids))
+        threading.Thread(target=self._build, args=args, name="grammar-vocab", daemon=True).start()
+
+    def _build(self, tokenizer_json: str, vocab_size: int, eos: list[int]) -> None:
+        try:
+            self._lltok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        except Exception as e:  # surfaced to every constrained request rather than killing the worker
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def prepare(self, schema_text: str, timeout: float = 120.0) -> None:
+        """Compile (or find cached) `schema_text`; GrammarError when it cannot be compiled."""
+        self.matcher(schema_text, timeout)
+
+    def matcher(self, schema_text: str, timeout: float = 120.0) -> llg.LLMatcher:
+        """A fresh matcher for one sequence (a copy of the cached, compiled one)."""
+        with self._lock:
+            base = self._cache.get(schema_text)
+            if base is not None:
+                self._cache.move_to_end(schema_text)
+                return base.deep_copy()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the grammar vocabulary index is still building")
+        if self._lltok is None:
+            raise RuntimeError(f"the grammar vocabulary index failed to build: {self._error}")
+        base = llg.LLMatcher(self._lltok, grammar_from_schema(schema_text), log_level=0, limits=self._limits)
+        if base.is_error():
+            raise GrammarError(base.get_error())
+        with self._lock:
+            self._cache[schema_text] = base
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return base.deep_copy()
+
+
+class Constraints:
+    """The engine's constrained sequences, by request id; `apply` masks a step's logits, `advance` feeds
+    the sampled tokens back. Used from the engine thread only."""
+
+    def __init__(self, compiler: GrammarCompiler, xp):
+        self.compiler, self.xp = compiler, xp
+        self._matchers: dict[str, llg.LLMatcher] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def attach(self, request_id: str, schema_text: str) -> None:
+        self._matchers[request_id] = self.compiler.matcher(schema_text)
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def apply(self, logits, request_ids: list[str]):
+        """`logits` (rows in `request_ids` order) with each constrained row's disallowed tokens masked."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return logits
+        bitmask = np.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, np.int32)
+        for j, i in enumerate(rows):
+            m = self._matchers[request_ids[i]]
+            v = bitmask[j]
+            m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+        return apply_bitmask(self.xp, logits, rows, bitmask)
+
+    def advance(self, request_ids: list[str], tokens) -> None:
+        for rid, token in zip(request_ids, tokens):
+            m = self._matchers.get(rid)
+            if m is not None:
+                m.consume_token(int(token))  # a masked step only samples allowed tokens
+
+    def cut_drafts(self, request_id: str, draft_ids: list[int]) -> int:
+        """How many leading draft tokens the sequence's grammar allows (all of them when unconstrained).
+
+        For speculation: drafts past this count are cut before verification. The matcher is left where it
+        was (the verified tokens are fed through `advance` as usual)."""
+        m = self._matchers.get(request_id)
+        return len(draft_ids) if m is None else allowed_prefix(m, draft_ids)
+
+
+def allowed_prefix(matcher: llg.LLMatcher, draft_ids: list[int]) -> int:
+    """Number of leading `draft_ids` the matcher accepts in order, without changing its state."""
+    return matcher.validate_tokens(list(draft_ids))
+
+
+def apply_bitmask(xp, logits, rows: list[int], bitmask: np.ndarray):
+    """Mask `logits[rows]` in place on the device with a packed (rows, words) int32 host bitmask."""
+    vocab = logits.shape[1]
+    packed = xp.asarray(bitmask.view(np.uint8))  # the one host->device copy: vocab/8 bytes per row
+    allowed = xp.unpackbits(packed.ravel(), bitorder="little").reshape(len(rows), -1)[:, :vocab]
+    masked = xp.asarray(MASKED, dtype=logits.dtype)
+    if len(rows) == logits.shape[0]:
+        xp.copyto(logits, masked, where=allowed == 0)
+    else:
+        for j, i in enumerate(rows):
+            xp.copyto(logits[i], masked, where=allowed[j] == 0)
+    return logits
