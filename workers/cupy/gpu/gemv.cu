@@ -23,49 +23,52 @@ __device__ __forceinline__ float gelu_tanh(float g) {
   return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
-// One warp computes row m of the prologue into x (norm modes). All global loads of the row are issued in one
-// pass into shared scratch (x, s0, s1, s2), so the prologue costs one memory latency, not three.
-__device__ void gemv_norm_row(int mode, int m, int K, const float* __restrict__ src, const float* __restrict__ resid_in,
-                              float* __restrict__ resid_out, const float* __restrict__ w_post,
-                              const float* __restrict__ w_norm, const int* __restrict__ tok,
-                              const act_t* __restrict__ emb, float emb_scale, float eps, float* x, float* s0,
-                              float* s1, float* s2) {
-  const int lane = threadIdx.x & 31;
-  float ss = 0.f;
-  if (mode == GEMV_EMBED) {
-    const act_t* e = emb + (size_t)tok[m] * K;
-    for (int k = lane; k < K; k += 32) {
-      const float v = to_f(e[k]) * emb_scale;
-      x[k] = v;
-      s2[k] = w_norm[k];
-      ss += v * v;
-    }
-  } else {
-    const float* d = src + (size_t)m * K;
-    const float* r = resid_in + (size_t)m * K;
-    float sd = 0.f;
+// The norm modes' prologue over all M rows with the whole block (a row of 640 is only 2.5 elements a thread):
+// one pass issues every global load into shared memory (x = delta or embedding, s0 = resid, s1 = w_post,
+// s2 = w_norm, all flat [M*K]) and sums squares per row (K % 32 == 0: a warp's 32 elements share a row).
+__device__ void gemv_norm_rows(int mode, int M, int K, const float* __restrict__ src,
+                               const float* __restrict__ resid_in, float* __restrict__ resid_out,
+                               const float* __restrict__ w_post, const float* __restrict__ w_norm,
+                               const int* __restrict__ tok, const act_t* __restrict__ emb, float emb_scale, float eps,
+                               float* x, float* s0, float* s1, float* s2) {
+  __shared__ float sum1[GEMV_MAX_M], sum2[GEMV_MAX_M];
+  const int lane = threadIdx.x & 31, n = M * K;
+  if (threadIdx.x < GEMV_MAX_M) sum1[threadIdx.x] = sum2[threadIdx.x] = 0.f;
+  __syncthreads();
+  float* first = mode == GEMV_EMBED ? sum2 : sum1;
 #pragma unroll 4
-    for (int k = lane; k < K; k += 32) {
-      const float dv = d[k];
-      x[k] = dv;
-      s0[k] = r[k];
-      s1[k] = w_post[k];
-      s2[k] = w_norm[k];
-      sd += dv * dv;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int m = i / K, k = i - m * K;
+    float v;
+    if (mode == GEMV_EMBED) {
+      v = to_f(emb[(size_t)tok[m] * K + k]) * emb_scale;
+    } else {
+      v = src[i];
+      s0[i] = resid_in[i];
+      s1[i] = w_post[k];
     }
-    const float inv1 = rsqrtf(warp_sum(sd) / K + eps);
-    for (int k = lane; k < K; k += 32) {
-      const float v = s0[k] + x[k] * inv1 * s1[k];
-      x[k] = v;
-      ss += v * v;
-    }
+    x[i] = v;
+    s2[i] = w_norm[k];
+    const float part = warp_sum(v * v);
+    if (lane == 0) atomicAdd(first + m, part);
   }
-  const float inv = rsqrtf(warp_sum(ss) / K + eps);
+  __syncthreads();
+  if (mode != GEMV_EMBED) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int m = i / K;
+      const float v = s0[i] + x[i] * rsqrtf(sum1[m] / K + eps) * s1[i];
+      x[i] = v;
+      const float part = warp_sum(v * v);
+      if (lane == 0) atomicAdd(sum2 + m, part);
+    }
+    __syncthreads();
+  }
   const bool write = resid_out != nullptr && blockIdx.x == 0;
-  for (int k = lane; k < K; k += 32) {
-    const float v = x[k];
-    if (write) resid_out[(size_t)m * K + k] = v;
-    x[k] = v * inv * s2[k];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int m = i / K;
+    const float v = x[i];
+    if (write) resid_out[i] = v;
+    x[i] = v * rsqrtf(sum2[m] / K + eps) * s2[i];
   }
 }
 
@@ -81,7 +84,7 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
 
 // out[m, n] = sum_k x[m, k] * W[n, k]. Grid: ceil(N / 16) blocks of 256 threads; dynamic shared M*K floats.
 // out[m, n] = sum_k x[m, k] * W[n, k]. Grid: ceil(N / 16) blocks of 256 threads; K <= GEMV_MAXC * 256.
-// Dynamic shared memory: M*K floats (PLAIN, GELU) or 4*M*K (norm modes: x and three scratch rows per row).
+// Dynamic shared memory: M*K floats (PLAIN, GELU) or 4*M*K (norm modes: x and three scratch arrays).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv(int mode, int M, int K, int N, const act_t* __restrict__ W, const act_t* __restrict__ x_act,
          const float* __restrict__ src, const float* __restrict__ resid_in, float* __restrict__ resid_out,
@@ -108,10 +111,10 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
       const int m = i / K, k = i % K;
       xs[i] = gelu_tanh(src[(size_t)m * 2 * K + k]) * src[(size_t)m * 2 * K + K + k];
     }
-  } else if (warp < M) {
-    float* scratch = xs + M * K + warp * 3 * K;
-    gemv_norm_row(mode, warp, K, src, resid_in, resid_out, w_post, w_norm, tok, emb, emb_scale, eps, xs + warp * K,
-                  scratch, scratch + K, scratch + 2 * K);
+  } else {
+    const int n = M * K;
+    gemv_norm_rows(mode, M, K, src, resid_in, resid_out, w_post, w_norm, tok, emb, emb_scale, eps, xs, xs + n,
+                   xs + 2 * n, xs + 3 * n);
   }
   __syncthreads();
 

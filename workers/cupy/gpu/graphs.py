@@ -28,6 +28,7 @@ class DecodeGraphs:
         self.inp = cp.zeros(g * (2 + max_blocks), cp.int32)
         self.host = cp.cuda.alloc_pinned_memory(self.inp.nbytes)
         self.host_view = np.frombuffer(self.host, np.int32, self.inp.size)
+        self.host_view[:] = 0  # pinned memory comes uninitialised: padding rows must read valid ids and blocks
         self.tok = self.inp[g : 2 * g]
         self.pos = cp.zeros(g, cp.int32)
         self.slots = cp.zeros(g, cp.int64)
@@ -78,6 +79,7 @@ class DecodeGraphs:
         h[:big] = -1
         h[:n] = positions
         on_device = isinstance(token_ids, cp.ndarray)
+        h[big + n : 2 * big] = 0  # padding rows: any valid token id
         if not on_device:
             h[big : big + n] = token_ids
         tables = h[2 * big :].reshape(big, self.max_blocks)

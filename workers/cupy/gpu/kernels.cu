@@ -115,6 +115,7 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 #define ATT_WARPS 8
 #define ATT_CHUNK 256
 #define ATT_UNROLL 4
+#define ATT_SBT 64  // >= ATT_CHUNK / 8 + 2: a chunk's entries always fit (block_size >= 8)
 
 // Paged attention for a flat step of T query tokens (prefill chunks and decode tokens mixed): token t of
 // block-table row tok_row[t] at position pos[t] attends to its sequence's keys [start, pos[t]], start =
@@ -132,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
   __shared__ float sc[GROUP][ATT_CHUNK];
   __shared__ float qs[GROUP + 1][HEAD_DIM];  // fused decode: QK-norm/RoPE exchange, then the queries
   __shared__ float nsh[GROUP + 1][32];
-  __shared__ int sbt[ATT_CHUNK / 8 + 2];  // the block-table entries one chunk of keys spans
+  __shared__ int sbt[ATT_SBT];  // block-table entries: the whole context's when they fit, else one chunk's
   __shared__ float red[ATT_WARPS][GROUP][HEAD_DIM];
   __shared__ float chunk_m[GROUP], chunk_s[GROUP];
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
@@ -143,6 +144,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
   // chunk_m holds the running max after each chunk; the softmax warps read it back (a register array
   // indexed by the warp number would go to local memory)
   if (threadIdx.x < GROUP) chunk_m[threadIdx.x] = -INFINITY;
+  // stage the block-table entries of the whole context at once when they fit (a decode step's usual case),
+  // so their load overlaps the prologue instead of costing a memory latency per chunk
+  const int first_block = start / block_size, n_blocks = (end - 1) / block_size - first_block + 1;
+  const bool whole = n_blocks <= ATT_SBT;
+  if (whole)
+    for (int i = threadIdx.x; i < n_blocks; i += blockDim.x) sbt[i] = bt[first_block + i];
 
   if (qkv) {
     // fused decode step (qkv != null): each token is its own sequence's only query, so this CTA can do the
@@ -187,10 +194,14 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 
   for (int c0 = start; c0 < end; c0 += ATT_CHUNK) {
     const int n = min(ATT_CHUNK, end - c0);
-    // the chunk's block-table entries, once, so each key costs one dependent load instead of two
-    const int b0 = c0 / block_size, nb = (c0 + n - 1) / block_size - b0 + 1;
-    __syncthreads();  // the previous chunk's readers of sbt are done
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) sbt[i] = bt[b0 + i];
+    // otherwise the chunk's block-table entries, once, so each key costs one dependent load instead of two
+    int b0 = first_block;
+    if (!whole) {
+      b0 = c0 / block_size;
+      const int nb = (c0 + n - 1) / block_size - b0 + 1;
+      __syncthreads();  // the previous chunk's readers of sbt are done
+      for (int i = threadIdx.x; i < nb; i += blockDim.x) sbt[i] = bt[b0 + i];
+    }
     __syncthreads();
     // scores: ATT_UNROLL keys per warp per iteration, all loads issued before the first use (each key's
     // block-table lookup and 16-byte load would otherwise be one full memory latency apiece)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU comparison, run on the H200 test machine in one call, after the model was staged with
+# ../shared/tools/device-pack and llama.cpp was built there (bench/gpu_build_llama.sh):
+#
+#   ROUNDS=5 bash bench/gpu_session.sh          # writes $OUT/gpu_bench.json, prints the table
+#
+# Protocol (METHOD.md): one discarded warm-up round, then ROUNDS rounds, each running Pulse's bench
+# (bench/engine_gpu.py: 3 repeats of every case after its own warm-up), llama-bench (pp512 / tg128, -r 3, its
+# own warm-up) and llama-batched-bench (-npp 128 -ntg 128 -npl 1,64), interleaved; same GGUF, same GPU, flash
+# attention on for llama.cpp. Medians and min/max over all samples.
+set -u
+home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+model=$home/model/gemma-3-270m-q4_k_m.gguf
+bin=${LLAMA_BIN:-/root/lb/build/bin}
+rounds=${ROUNDS:-5}
+res=/tmp/pulse-bench
+mkdir -p "$res"
+export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+
+for i in $(seq 1 150); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+echo "llama.cpp build rc: $(cat /root/lb/build.rc 2>/dev/null || echo 'not finished')"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+
+for r in $(seq 0 "$rounds"); do
+  python3 -m bench.engine_gpu --model "$model" --repeats 3 --json "$res/pulse_$r.json" > "$res/pulse_$r.log" 2>&1 \
+    || tail -5 "$res/pulse_$r.log"
+  "$bin/llama-bench" -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json > "$res/lb_$r.json" 2> "$res/lb_$r.err" \
+    || tail -5 "$res/lb_$r.err"
+  "$bin/llama-batched-bench" -m "$model" -ngl 99 -fa on -c 40960 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64 \
+    --output-format jsonl > "$res/lbb_$r.jsonl" 2> "$res/lbb_$r.err" || tail -5 "$res/lbb_$r.err"
+  echo "round $r done"
+done
+python3 bench/gpu_summary.py "$res" "$rounds" "${OUT:-/tmp}/gpu_bench.json"
