@@ -8,9 +8,9 @@ mkdir -p /root/lb
 tar xJf .llama/llama-src.tar.xz -C /root/lb
 cd /root/lb
 setsid nohup bash -c '
-  cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+  ( cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF \
     -DCMAKE_BUILD_TYPE=Release > cfg.log 2>&1 &&
-  cmake --build build -j16 --target llama-bench llama-batched-bench > build.log 2>&1
+  cmake --build build -j16 --target llama-bench llama-batched-bench > build.log 2>&1 )
   echo $? > build.rc' > /dev/null 2>&1 < /dev/null &
 echo "llama.cpp build started in /root/lb"
