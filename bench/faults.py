@@ -65,6 +65,17 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def tcp_kernel_bytes() -> int:
+    """Memory the kernel holds in TCP socket buffers, box-wide (/proc/net/sockstat 'TCP: ... mem' pages)."""
+    import resource
+
+    for line in Path("/proc/net/sockstat").read_text().splitlines():
+        if line.startswith("TCP:"):
+            fields = line.split()
+            return int(fields[fields.index("mem") + 1]) * resource.getpagesize()
+    return 0
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 

@@ -26,6 +26,7 @@ from bench.faults import (
     port_of,
     record,
     rss_bytes,
+    tcp_kernel_bytes,
     settled_idle,
     stream_chat,
     wait_until,
@@ -93,14 +94,14 @@ async def test_slow_reader_memory_bounded_and_cancelled(one_worker):
     base, port = one_worker.base, one_worker.port
     (gateway_pid,) = listening_pids(port)
     async with aiohttp.ClientSession() as s:
-        rss0, gen0 = rss_bytes(gateway_pid), await generated(s, base)
+        rss0, gen0, tcp0 = rss_bytes(gateway_pid), await generated(s, base), tcp_kernel_bytes()
         socks = [silent_client(port) for _ in range(SLOW_CLIENTS)]
         try:
             stall_s = await stalled(s, base)
             assert stall_s is not None, "generation never stalled: nothing pushes back on the worker"
             stuck_tokens = await generated(s, base) - gen0
             await asyncio.sleep(3)  # hold the stall a while: memory must not creep
-            rss_stalled = rss_bytes(gateway_pid)
+            rss_stalled, tcp_stalled = rss_bytes(gateway_pid), tcp_kernel_bytes()
             assert await generated(s, base) - gen0 == stuck_tokens, "generation resumed with nobody reading"
             rows = await workers(s, base)
             assert rows[0]["stats"]["running"] == SLOW_CLIENTS
@@ -125,6 +126,8 @@ async def test_slow_reader_memory_bounded_and_cancelled(one_worker):
         "gateway_rss_before_mib": round(rss0 / 2**20, 1), "gateway_rss_stalled_mib": round(rss_stalled / 2**20, 1),
         "gateway_rss_growth_mib": round(growth / 2**20, 2),
         "unbuffered_equivalent_mib": round(would_buffer / 2**20, 1),
+        # where the stalled stream sits instead: kernel socket buffers (box-wide reading, so approximate)
+        "kernel_tcp_buffers_growth_mib": round((tcp_stalled - tcp0) / 2**20, 1),
         "other_client_200_tokens_s": round(other_s, 3),
         "seconds_until_cancelled_after_leave": round(to_idle, 2),
     })
