@@ -132,8 +132,8 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
     for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
         wrap(k, name, name)
     wrap(blas, "linear", lambda x, w, out: f"gemm {w.shape[0]}x{w.shape[1]}")
-    for name in ("gemv",):
-        wrap(k, name, lambda mode, w, out, **kw: f"gemv{mode} {w.shape[0]}x{w.shape[1]}")
+    wrap(k, "gemv", lambda mode, w, out, **kw: f"gemv{mode} {w.shape[0]}x{w.shape[1]}")
+    wrap(k, "mlp_fused", "mlp_fused")
     try:
         k.spin(40_000_000)
         e0 = cp.cuda.Event()
@@ -141,7 +141,7 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
         model.run(ws, *args, kv, BS, decode=decode)
         cp.cuda.get_current_stream().synchronize()
     finally:
-        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "gemv"):
+        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "gemv", "mlp_fused"):
             delattr(k, name)
         delattr(blas, "linear")
     totals, prev = {}, e0

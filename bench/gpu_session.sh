@@ -21,6 +21,10 @@ for i in $(seq 1 150); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
 echo "llama.cpp build rc: $(cat /root/lb/build.rc 2>/dev/null || echo 'not finished')"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
+# the SM clock through the run (METHOD.md: measure the card as found; note its state)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv,noheader -lms 200 \
+  > "$res/smi.csv" 2>&1 &
+smi=$!
 for r in $(seq 0 "$rounds"); do
   python3 -m bench.engine_gpu --model "$model" --repeats 3 --json "$res/pulse_$r.json" > "$res/pulse_$r.log" 2>&1 \
     || tail -5 "$res/pulse_$r.log"
@@ -30,4 +34,6 @@ for r in $(seq 0 "$rounds"); do
     --output-format jsonl > "$res/lbb_$r.jsonl" 2> "$res/lbb_$r.err" || tail -5 "$res/lbb_$r.err"
   echo "round $r done"
 done
+kill "$smi"
+echo "SM clock samples (MHz: count):"; cut -d, -f2 "$res/smi.csv" | sort | uniq -c | sort -rn | head -5
 python3 bench/gpu_summary.py "$res" "$rounds" "${OUT:-/tmp}/gpu_bench.json"

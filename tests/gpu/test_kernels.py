@@ -223,3 +223,24 @@ def test_attention_fused_decode_equals_separate(k):
     assert rel(outs[1], outs[0]) < 2e-3
     assert np.array_equal(caches[1][1], caches[0][1])
     assert rel(caches[1][0], caches[0][0]) < 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_mlp_fused(k, m):
+    h, f = 640, 2048
+    gu = (RNG.standard_normal((2 * f, h)) / np.sqrt(h)).astype(np.float16)
+    dn = (RNG.standard_normal((h, f)) / np.sqrt(f)).astype(np.float16)
+    r = (RNG.standard_normal((m, h)) * 30).astype(np.float32)
+    o = RNG.standard_normal((m, h)).astype(np.float32)
+    w_post, w_norm = (1 + RNG.standard_normal(h).astype(np.float32) * 0.1 for _ in range(2))
+    out = cp.zeros((m, h), cp.float32)
+    resid_out = cp.full((m, h), np.nan, cp.float32)
+    k.mlp_fused(cp.asarray(gu), cp.asarray(dn), cp.asarray(o), cp.asarray(r), resid_out, cp.asarray(w_post),
+                cp.asarray(w_norm), EPS, out)
+    new = r + OPS.rms_norm(o, w_post, EPS)
+    x = OPS.rms_norm(new, w_norm, EPS).astype(np.float64)
+    g = x @ gu[:f].astype(np.float64).T
+    u = x @ gu[f:].astype(np.float64).T
+    ref = OPS.gelu_tanh_mul(g, u) @ dn.astype(np.float64).T
+    assert rel(resid_out.get(), new) < 1e-6
+    assert rel(out.get(), ref) < 1e-3

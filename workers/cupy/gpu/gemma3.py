@@ -18,7 +18,7 @@ import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
 from workers.cupy.gpu.cublas import Cublas
-from workers.cupy.gpu.kernels import (GEMV_ADD_NORM, GEMV_EMBED, GEMV_GELU, GEMV_MAX_M, GEMV_PLAIN, Kernels,
+from workers.cupy.gpu.kernels import (GEMV_ADD_NORM, GEMV_EMBED, GEMV_MAX_M, GEMV_PLAIN, Kernels,
                                       argmax_chunks)
 from workers.cupy.kv_cache import KVStorage
 
@@ -183,7 +183,8 @@ class GpuGemma3:
                 k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.layers[i + 1]["attn_norm"], eps, ws.x)
 
     def _layers_small(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size):
-        """Decode of <= GEMV_MAX_M tokens: 5 launches a layer, every norm and the gelu fused into a product.
+        """Decode of <= GEMV_MAX_M tokens: 4 launches a layer (attention, o, the whole MLP, the next q/k/v), every
+        norm and the gelu fused into a product.
         The residual ends each layer in resid2 (ra -> rb within a layer, rb -> ra across layers)."""
         c, k, eps, L = self.cfg, self.kernels, self.cfg.eps, self.layers
         ra, rb = ws.resid, ws.resid2
@@ -191,10 +192,8 @@ class GpuGemma3:
                w_norm=L[0]["attn_norm"], resid_out=ra, eps=eps)
         for i, lw in enumerate(L):
             self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, True)
-            k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn)
-            k.gemv(GEMV_ADD_NORM, lw["gate_up"], ws.gate_up, src=ws.o, resid_in=ra, resid_out=rb,
-                   w_post=lw["post_attn_norm"], w_norm=lw["ffn_norm"], eps=eps)
-            k.gemv(GEMV_GELU, lw["down"], ws.down, src=ws.gate_up)
+            k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn, zero=ws.down)  # mlp_fused adds into ws.down
+            k.mlp_fused(lw["gate_up"], lw["down"], ws.o, ra, rb, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.down)
             if i + 1 < len(L):
                 k.gemv(GEMV_ADD_NORM, L[i + 1]["qkv"], ws.qkv, src=ws.down, resid_in=rb, resid_out=ra,
                        w_post=lw["post_ffn_norm"], w_norm=L[i + 1]["attn_norm"], eps=eps)

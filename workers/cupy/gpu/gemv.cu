@@ -89,9 +89,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv(int mode, int M, int K, int N, const act_t* __restrict__ W, const act_t* __restrict__ x_act,
          const float* __restrict__ src, const float* __restrict__ resid_in, float* __restrict__ resid_out,
          const float* __restrict__ w_post, const float* __restrict__ w_norm, const int* __restrict__ tok,
-         const act_t* __restrict__ emb, float emb_scale, float eps, float* __restrict__ out) {
+         const act_t* __restrict__ emb, float emb_scale, float eps, float* __restrict__ out,
+         float* __restrict__ zero_out, int zero_n) {
   extern __shared__ float xs[];  // [M][K], then scratch [M][3][K] in the norm modes
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // zero_out: an accumulator a later launch adds into (mlp_fused's output), cleared here for free
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += gridDim.x * blockDim.x) zero_out[i] = 0.f;
   const int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_RPW;
   const int chunks = K / 8;  // 16-byte chunks per weight row
   // the weights do not depend on the prologue: their loads go first and overlap it
@@ -152,4 +155,106 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
         if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = s;
       }
     }
+}
+
+// The whole MLP of a small decode batch in one launch: sandwich norm (ADD_NORM prologue), gate/up for this
+// block's MLP_F features, gelu(gate) * up, and their share of the down product, added into out with fp32
+// atomics (out must be zero: the o-proj gemv before it clears it). Saves two launches a layer; the sums'
+// order varies run to run in the last fp32 bits. Grid: F / MLP_F blocks of 256 threads; H <= 1024;
+// dynamic shared memory 4*M*H floats.
+#define MLP_F 16
+#define MLP_MAXC 4  // 16-byte chunks per lane of a gate/up row: H <= 1024
+#define MLP_MAXD 8  // down-weight 16-byte items per thread: 2 per hidden row, H <= 1024
+extern "C" __global__ void __launch_bounds__(256)
+    mlp_fused(int M, int H, int F, const act_t* __restrict__ gate_up, const act_t* __restrict__ down,
+              const float* __restrict__ o, const float* __restrict__ resid_in, float* __restrict__ resid_out,
+              const float* __restrict__ w_post, const float* __restrict__ w_norm, float eps,
+              float* __restrict__ out) {
+  extern __shared__ float xs[];
+  __shared__ float dots[GEMV_MAX_M][2 * MLP_F];
+  __shared__ float a[GEMV_MAX_M][MLP_F];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, f0 = blockIdx.x * MLP_F;
+  const int chunks = H / 8;
+  // every weight load first: 4 gate/up rows per warp, and this thread's down items (row n, half h)
+  uint4 wv[4][MLP_MAXC];
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const int j = warp * 4 + r;  // 0..15 gate rows, 16..31 up rows of this block's features
+    const size_t row = j < MLP_F ? f0 + j : F + f0 + (j - MLP_F);
+#pragma unroll
+    for (int i = 0; i < MLP_MAXC; i++) {
+      const int c = lane + 32 * i;
+      wv[r][i] = c < chunks ? *reinterpret_cast<const uint4*>(gate_up + row * H + c * 8) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  uint4 dv[MLP_MAXD];
+#pragma unroll
+  for (int i = 0; i < MLP_MAXD; i++) {
+    const int item = threadIdx.x + 256 * i;  // row item / 2, half item % 2
+    dv[i] = item < 2 * H ? *reinterpret_cast<const uint4*>(down + (size_t)(item >> 1) * F + f0 + (item & 1) * 8)
+                         : make_uint4(0, 0, 0, 0);
+  }
+  const int n = M * H;
+  gemv_norm_rows(GEMV_ADD_NORM, M, H, o, resid_in, resid_out, w_post, w_norm, nullptr, nullptr, 1.f, eps, xs,
+                 xs + n, xs + 2 * n, xs + 3 * n);
+  __syncthreads();
+  // gate/up dot products
+  float acc[4][GEMV_MAX_M];
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) acc[r][m] = 0.f;
+#pragma unroll
+  for (int i = 0; i < MLP_MAXC; i++) {
+    const int c = lane + 32 * i;
+    if (c < chunks) {
+      float wf[4][8];
+#pragma unroll
+      for (int r = 0; r < 4; r++) unpack8(wv[r][i], wf[r]);
+#pragma unroll
+      for (int m = 0; m < GEMV_MAX_M; m++) {
+        if (m < M) {
+          const float4 p = *reinterpret_cast<const float4*>(xs + m * H + c * 8);
+          const float4 q = *reinterpret_cast<const float4*>(xs + m * H + c * 8 + 4);
+#pragma unroll
+          for (int r = 0; r < 4; r++)
+            acc[r][m] += p.x * wf[r][0] + p.y * wf[r][1] + p.z * wf[r][2] + p.w * wf[r][3] + q.x * wf[r][4] +
+                         q.y * wf[r][5] + q.z * wf[r][6] + q.w * wf[r][7];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++)
+      if (m < M) {
+        const float s = warp_sum(acc[r][m]);
+        if (lane == 0) dots[m][warp * 4 + r] = s;
+      }
+  __syncthreads();
+  if (threadIdx.x < M * MLP_F) {
+    const int m = threadIdx.x / MLP_F, j = threadIdx.x % MLP_F;
+    a[m][j] = gelu_tanh(dots[m][j]) * dots[m][MLP_F + j];
+  }
+  __syncthreads();
+  // this block's share of down: row n gets sum over its 16 features, two 8-feature halves in adjacent lanes
+#pragma unroll
+  for (int i = 0; i < MLP_MAXD; i++) {
+    const int item = threadIdx.x + 256 * i;
+    if (256 * i >= 2 * H) break;  // uniform: whole iterations past the rows
+    float wf[8];
+    unpack8(dv[i], wf);
+    const int h = item & 1;
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) {
+      if (m < M) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; e++) s += wf[e] * a[m][h * 8 + e];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        if (h == 0 && item < 2 * H) atomicAdd(out + (size_t)m * H + (item >> 1), s);
+      }
+    }
+  }
 }

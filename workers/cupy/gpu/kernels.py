@@ -19,6 +19,7 @@ ARGMAX_THREADS = 1024
 ARGMAX_CHUNK = 4096  # as in sampling.cu
 GEMV_MAX_M, GEMV_ROWS_PER_BLOCK = 8, 16  # as in gemv.cu
 GEMV_PLAIN, GEMV_ADD_NORM, GEMV_GELU, GEMV_EMBED = 0, 1, 2, 3
+MLP_F = 16  # as in gemv.cu
 _NULL = np.uint64(0)
 
 
@@ -44,9 +45,10 @@ class Kernels:
         self.head_dim, self.group, self.act = head_dim, group, act
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
-            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin", "gemv")}
+            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin", "gemv", "mlp_fused")}
         # the norm modes stage 4 x M x K floats (80 KB at M=8, K=640): past the default 48 KB
         self._f["gemv"].max_dynamic_shared_size_bytes = 128 * 1024
+        self._f["mlp_fused"].max_dynamic_shared_size_bytes = 128 * 1024
 
     def embed_norm(self, tok, emb, scale: float, w, eps: float, resid, out):
         t, h = resid.shape
@@ -87,7 +89,7 @@ class Kernels:
             pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra)
 
     def gemv(self, mode: int, w, out, *, x_act=None, src=None, resid_in=None, resid_out=None, w_post=None,
-             w_norm=None, tok=None, emb=None, emb_scale: float = 1.0, eps: float = 1e-6):
+             w_norm=None, tok=None, emb=None, emb_scale: float = 1.0, eps: float = 1e-6, zero=None):
         """out[M, N] (fp32) = prologue(...)[M, K] @ w[N, K].T for M <= GEMV_MAX_M (see gemv.cu for the modes)."""
         m, n = out.shape
         k = w.shape[1]
@@ -99,7 +101,18 @@ class Kernels:
 
         self._f["gemv"](((n + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (256,), (
             np.int32(mode), np.int32(m), np.int32(k), np.int32(n), w, p(x_act), p(src), p(resid_in), p(resid_out),
-            p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out), shared_mem=smem)
+            p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out, p(zero),
+            np.int32(0 if zero is None else zero.size)), shared_mem=smem)
+
+    def mlp_fused(self, gate_up, down, o, resid_in, resid_out, w_post, w_norm, eps: float, out):
+        """out[M, H] += down @ (gelu(gate) * up)(rms(resid_in + rms(o) * w_post) * w_norm); out must be zero.
+        resid_out gets the new residual. M <= GEMV_MAX_M, H <= 1024, F % 16 == 0 (see gemv.cu)."""
+        m, h = out.shape
+        f = down.shape[1]
+        assert m <= GEMV_MAX_M and h <= 1024 and h % 32 == 0 and f % MLP_F == 0 and gate_up.shape == (2 * f, h)
+        self._f["mlp_fused"]((f // MLP_F,), (256,), (
+            np.int32(m), np.int32(h), np.int32(f), gate_up, down, o, resid_in, resid_out, w_post, w_norm,
+            np.float32(eps), out), shared_mem=16 * m * h)
 
     def gelu_mul(self, gate_up, out):
         t, f = out.shape
