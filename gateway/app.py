@@ -89,9 +89,10 @@ class Gateway:
         return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503)
 
     async def workers(self, request: web.Request) -> web.Response:
-        """Each worker's address, health and last reported load (what routing sees)."""
+        """Each worker's address, health and last reported load (what routing sees). Admin scope when keyed."""
         import msgspec
 
+        await self.service.auth.authenticate(request.headers.get("Authorization"), admin=True)
         rows = [{"worker_id": w.worker_id, "url": w.info.url, "node_id": w.info.node_id, "device": w.info.device,
                  "backend": w.info.backend,
                  "healthy": w.healthy, "inflight": w.inflight, "stats": msgspec.to_builtins(w.stats)}

@@ -25,12 +25,14 @@ from gateway.openai_types import (
     validate_chat,
     validate_completion,
 )
-from gateway.pool import WorkerPool, WorkerState, iter_chunks
+from gateway.auth import KeyAuth
+from gateway.dispatch import Dispatcher
+from gateway.pool import WorkerState
 from gateway.prompt import PromptBuilder
 from gateway import tools as agent_tools
 from gateway.responses import Shaper
 from policy.config import PulseConfig
-from workers.protocol import BackendError, Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
+from workers.protocol import Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from workers.protocol import telemetry as tm
 
 log = logging.getLogger("pulse.gateway")
@@ -38,29 +40,12 @@ _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
 
-@dataclass
-class Routed:
-    worker: WorkerState
-    reason: str
-
-
-class LeastLoadedRouter:
-    """Fallback routing: the routable worker with the least queued work."""
-
-    def choose(self, workers: list[WorkerState], request: GenerateRequest) -> Routed:
-        best = min(workers, key=lambda w: (w.inflight + w.stats.waiting, w.stats.kv_blocks_used, w.worker_id))
-        return Routed(best, "least_loaded")
-
-
 class CompletionService:
-    def __init__(self, config: PulseConfig, builder: PromptBuilder, pool: WorkerPool, *, context_length: int,
-                 token_text, metrics, tracer, router=None, max_retries: int = 2):
-        self.cfg, self.builder, self.pool = config, builder, pool
+    def __init__(self, config: PulseConfig, builder: PromptBuilder, dispatcher: Dispatcher, auth: KeyAuth, *,
+                 token_text, metrics, tracer):
+        self.cfg, self.builder, self.dispatcher, self.auth = config, builder, dispatcher, auth
         self.metrics, self.tracer = metrics, tracer
-        self.context_length = context_length
         self.token_text = token_text
-        self.router = router or LeastLoadedRouter()
-        self.max_retries = max_retries
         self._limits = dict(max_stop_strings=config.server.max_stop_strings,
                             max_stop_length=config.server.max_stop_length)
 
@@ -94,15 +79,16 @@ class CompletionService:
         n = len(ids)
         if n == 0:
             raise bad_param("prompt" if isinstance(req, CompletionRequest) else "messages", "the prompt is empty")
-        room = self.context_length - n
+        ctx = self.dispatcher.context_length
+        room = ctx - n
         if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
-                           f"{n} tokens, {n - self.context_length + 1} too many to generate even one token.",
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
+                           f"{n} tokens, {n - ctx + 1} too many to generate even one token.",
                            param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
-                           f"{n} and max_tokens asks for {max_tokens}: {n + max_tokens - self.context_length} over.",
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
+                           f"{n} and max_tokens asks for {max_tokens}: {n + max_tokens - ctx} over.",
                            param="max_tokens", code="context_length_exceeded")
         prediction = None
         if req.prediction is not None:
@@ -126,64 +112,19 @@ class CompletionService:
             priority=req.priority or 0,
         )
 
-    # ---- routing with retry before the first byte ----------------------------------------------
-    async def open(self, gen: GenerateRequest) -> tuple[WorkerState, object, Chunk]:
-        """Route and open a stream; returns (worker, response, first chunk). Retries elsewhere before output."""
-        tried: set[str] = set()
-        last: BackendError | None = None
-        for _ in range(self.max_retries + 1):
-            workers = [w for w in self.pool.routable() if w.worker_id not in tried]
-            if not workers:
-                break
-            t0 = time.perf_counter()
-            with self.tracer.start_as_current_span(tm.SPAN_ROUTE) as span:
-                routed = self.router.choose(workers, gen)
-                span.set_attribute(tm.PULSE_ROUTE_REASON, routed.reason)
-                span.set_attribute(tm.PULSE_WORKER, routed.worker.worker_id)
-            self.metrics.routed(time.perf_counter() - t0)
-            w = routed.worker
-            tried.add(w.worker_id)
-            w.inflight += 1
-            try:
-                resp = await self.pool.open_stream(w, gen)
-                it = iter_chunks(resp)
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    raise BackendError(f"worker {w.worker_id} closed the stream before any output", 503) from None
-                except (asyncio.TimeoutError, OSError, Exception) as e:
-                    if isinstance(e, (BackendError, asyncio.CancelledError)):
-                        raise
-                    resp.close()
-                    self.pool.record_failure(w)
-                    raise BackendError(f"worker {w.worker_id} failed before any output: {e}", 503) from None
-                return w, (resp, it), first
-            except BackendError as e:
-                w.inflight -= 1
-                last = e
-                if e.status < 500 and e.status != 429:
-                    raise APIError(e.status, e.message, code=e.code) from None
-                continue
-            except BaseException:
-                w.inflight -= 1
-                raise
-        if last is not None and last.status == 429:
-            raise APIError(429, last.message, code="rate_limited", headers={"Retry-After": "1"})
-        if not self.pool.any_healthy():
-            raise APIError(503, "no healthy worker can serve this request now", code="no_healthy_worker",
-                           headers={"Retry-After": "2"})
-        raise APIError(503, f"no worker could take the request: {last.message if last else 'none routable'}",
-                       code="workers_unavailable", headers={"Retry-After": "1"})
-
     # ---- responses -----------------------------------------------------------------------------
     async def respond(self, request: web.Request, kind: str, body: bytes) -> web.StreamResponse:
         start = time.perf_counter()
         ctx = tm.extract_context(request.headers)
         with self.tracer.start_as_current_span(f"{request.method} {request.path}", context=ctx,
                                                kind=tm.trace.SpanKind.SERVER) as span:
-            rm = None
+            rm = grant = None
+            completion_tokens = 0
             try:
+                with self.tracer.start_as_current_span(tm.SPAN_ADMISSION + ".auth"):
+                    key = await self.auth.authenticate(request.headers.get("Authorization"))
                 req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
+                grant = await self.auth.acquire(key, len(gen.prompt_ids))
                 tm.set_request_attributes(span, model=req.model, operation="chat" if kind == "chat" else
                                           "text_completion", max_tokens=gen.max_tokens,
                                           temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
@@ -196,7 +137,8 @@ class CompletionService:
                 shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
                 if kind == "chat":
                     shaper = agent_tools.ToolShaper.wrap(req, shaper)  # tool calls out of the text
-                worker, (resp, it), first = await self.open(gen)
+                ticket = await self.dispatcher.open(gen)
+                worker, it, first = ticket.worker, ticket.chunks, ticket.first
                 span.set_attribute(tm.PULSE_WORKER, worker.worker_id)
                 try:
                     if req.stream:
@@ -204,8 +146,8 @@ class CompletionService:
                         return await self._stream(request, shaper, worker, it, first, include_usage, rm, span)
                     return await self._whole(shaper, worker, it, first, rm, span)
                 finally:
-                    worker.inflight -= 1
-                    resp.close()
+                    completion_tokens = rm.tokens
+                    self.dispatcher.close(ticket)
             except APIError as e:
                 if rm is not None:
                     rm.finish(e.status)
@@ -216,6 +158,8 @@ class CompletionService:
             finally:
                 if rm is not None:
                     rm.finish(499)  # no-op when the request already finished; else the client left
+                if grant is not None:
+                    await self.auth.release(grant, completion_tokens)
 
     async def _all(self, it: AsyncIterator[Chunk], first: Chunk) -> AsyncIterator[Chunk]:
         yield first

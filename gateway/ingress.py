@@ -38,32 +38,63 @@ def ray_discover(worker_names: list[str]) -> Discover:
     return discover
 
 
+def build_index(config: PulseConfig):
+    """Redis when a URL is configured (many gateways, many boxes), else in-process (single box)."""
+    if config.redis.url:
+        from cache.redis_index import RedisPrefixIndex
+
+        return RedisPrefixIndex.from_config(config.redis, ttl_s=config.routing.block_ttl_s)
+    from cache.memory_index import MemoryPrefixIndex
+
+    return MemoryPrefixIndex(ttl_s=config.routing.block_ttl_s)
+
+
 def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
+    from gateway.admission_gate import AdmissionGate
+    from gateway.auth import KeyAuth
+    from gateway.dispatch import Dispatcher
+    from gateway.keys import open_key_store
+    from gateway.metrics import GatewayMetrics
+    from gateway.quota import open_quota
+    from gateway.router import PrefixRouter
+    from workers.protocol import telemetry as tm
+
     info = load_model_info(config.model.path)
     tok = load_tokenizer(config.model.path)
     builder = PromptBuilder(tok, architecture=info.architecture, bos_token_id=info.bos_token_id,
                             add_bos=info.add_bos, template=config.model.chat_template or info.chat_template)
-    pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s)
-    ctx = config.model.context_length or info.context_length
+    index = build_index(config)
+    pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s,
+                      block_index=None if config.redis.url else index)
+    provider = tm.setup_tracing(config.telemetry, role="gateway")
+    tracer = provider.get_tracer("pulse.gateway")
+    metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
+    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission), metrics,
+                            tracer, context_length=config.model.context_length or info.context_length,
+                            index=index)
+    auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,
+                   open_when_empty=config.keys.open_when_empty)
 
     def token_text(token_id: int) -> str:
         return tok.decode([token_id], skip_special_tokens=False)
 
-    from gateway.metrics import GatewayMetrics
-    from workers.protocol import telemetry as tm
-
-    provider = tm.setup_tracing(config.telemetry, role="gateway")
-    metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
-    service = CompletionService(config, builder, pool, context_length=ctx, token_text=token_text, metrics=metrics,
-                                tracer=provider.get_tracer("pulse.gateway"))
+    service = CompletionService(config, builder, dispatcher, auth, token_text=token_text, metrics=metrics,
+                                tracer=tracer)
     return Gateway(service, pool, metrics=metrics)
 
 
 async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: bool = True):
+    index = gateway.service.dispatcher.index
+    if hasattr(index, "connect"):
+        try:
+            await index.connect()
+        except Exception as e:  # Redis down at start: routing runs on load alone until it answers
+            log.warning("prefix index unavailable at start: %s", e)
+    log.info(await gateway.service.auth.start())
     await gateway.pool.start()
-    ctx = min([w.info.context_length for w in gateway.pool.workers.values() if w.info.context_length] or
-              [gateway.service.context_length])
-    gateway.service.context_length = ctx
+    dispatcher = gateway.service.dispatcher
+    dispatcher.context_length = min([w.info.context_length for w in gateway.pool.workers.values()
+                                     if w.info.context_length] or [dispatcher.context_length])
     runner, bound = await start_server(gateway.app(), host, port, reuse_port=reuse_port,
                                        max_header_bytes=gateway.service.cfg.server.max_header_bytes)
     return runner, bound

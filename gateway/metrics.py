@@ -180,18 +180,20 @@ class ModelMetrics:
 class RequestMetrics:
     """Timing of one request: TTFT on the first chunk, inter-token latency on each later one."""
 
-    __slots__ = ("_mm", "_in_flight", "start", "last", "first_token_s", "done")
+    __slots__ = ("_mm", "_in_flight", "start", "last", "first_token_s", "done", "tokens")
 
     def __init__(self, mm: ModelMetrics, in_flight: Gauge, start: float | None = None):
         self._mm, self._in_flight = mm, in_flight
         self.start = self.last = start if start is not None else time.perf_counter()
         self.first_token_s: float | None = None
         self.done = False
+        self.tokens = 0  # tokens relayed so far (for quota accounting when a stream is cut short)
         in_flight.inc()
 
     def chunk(self, n_tokens: int = 1, now: float | None = None) -> None:
         """A streamed chunk carrying `n_tokens` tokens left the gateway."""
         now = now if now is not None else time.perf_counter()
+        self.tokens += n_tokens
         if self.first_token_s is None:
             self.first_token_s = now - self.start
             self._mm.ttft.observe(self.first_token_s)

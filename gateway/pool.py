@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 
 from workers.protocol import (
+    BlockBatch,
     BackendError,
     BackendStats,
     Chunk,
@@ -26,6 +28,7 @@ from workers.protocol import (
 )
 
 log = logging.getLogger("pulse.gateway.pool")
+block_batch_decoder = msgspec.json.Decoder(BlockBatch)
 
 Discover = Callable[[str | None], Awaitable[list[WorkerInfo]]]
 
@@ -39,6 +42,7 @@ class WorkerState:
     failures: int = 0  # consecutive failures (circuit breaker)
     open_until: float = 0.0  # circuit open: not routed to before this time
     last_seen: float = 0.0
+    block_seq: int = 0  # last block event pulled from this worker (in-process prefix index only)
 
     @property
     def worker_id(self) -> str:
@@ -56,8 +60,9 @@ class WorkerPool:
     """
 
     def __init__(self, discover: Discover, *, poll_interval_s: float = 0.5, first_byte_timeout_s: float = 60.0,
-                 breaker_threshold: int = 3, breaker_open_s: float = 5.0):
+                 breaker_threshold: int = 3, breaker_open_s: float = 5.0, block_index=None):
         self._discover = discover
+        self.block_index = block_index  # an in-process PrefixIndex fed from the workers' block logs
         self._poll_interval = poll_interval_s
         self._first_byte_timeout = first_byte_timeout_s
         self._breaker_threshold, self._breaker_open_s = breaker_threshold, breaker_open_s
@@ -106,9 +111,24 @@ class WorkerPool:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
             w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
+            if self.block_index is not None:
+                await self._pull_blocks(w)
         except (aiohttp.ClientError, asyncio.TimeoutError, BackendError, OSError):
             w.healthy = False
             self._schedule_rediscover(w.worker_id)
+
+    async def _pull_blocks(self, w: WorkerState) -> None:
+        assert self._session is not None
+        url = f"{w.info.url}/blocks?since={w.block_seq}"
+        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+            if r.status != 200:
+                return
+            batch = block_batch_decoder.decode(await r.read())
+        if batch.reset:
+            await self.block_index.drop_worker(w.worker_id)
+        for ev in batch.events:
+            await self.block_index.apply(w.worker_id, ev.kind, ev.hashes, ev.tier)
+        w.block_seq = batch.seq
 
     def _schedule_rediscover(self, worker_id: str) -> None:
         if worker_id in self._rediscovering:

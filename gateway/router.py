@@ -35,6 +35,7 @@ class RouteResult:
     cached_tokens: int
     index_ok: bool  # False: the index could not answer; routed on load alone
     decision: RouteDecision
+    hashes: list[int] | None = None  # the prompt's full-block hashes (what the chosen worker will hold)
 
 
 class PrefixRouter:
@@ -49,7 +50,7 @@ class PrefixRouter:
 
     async def choose(self, workers: Sequence, gen) -> RouteResult:
         """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
-        hits, index_ok = await self._hits(workers, gen.prompt_ids, gen.session_id)
+        hits, index_ok, hashes = await self._hits(workers, gen.prompt_ids, gen.session_id)
         loads = [load_of(w) for w in workers]
         session = gen.session_id
         request = RouteRequest(
@@ -63,19 +64,20 @@ class PrefixRouter:
         chosen = next((w for w in workers if w.worker_id == decision.worker_id), None)
         if session and chosen is not None:
             self._remember(session, chosen.worker_id)
-        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision)
+        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes)
 
-    async def _hits(self, workers: Sequence, prompt_ids: list[int], session: str | None) -> tuple[dict[str, int], bool]:
+    async def _hits(self, workers: Sequence, prompt_ids: list[int],
+                    session: str | None) -> tuple[dict[str, int], bool, list[int] | None]:
         if self.index is None or not workers:
-            return {}, True
+            return {}, True, None
         block_size = workers[0].info.block_size  # one block size per deployment (EngineConfig.block_size)
         hashes = self.hashes.chain(session, prompt_ids, block_size)
         if not hashes:
-            return {}, True
+            return {}, True, hashes
         try:
-            return await self.index.longest_prefix(hashes), True
+            return await self.index.longest_prefix(hashes), True, hashes
         except IndexUnavailable:
-            return {}, False
+            return {}, False, hashes
 
     def _remember(self, session: str, worker_id: str) -> None:
         self._sessions[session] = worker_id

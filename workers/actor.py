@@ -13,6 +13,7 @@ import socket
 
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles, select_profile
+from workers.blocklog import BlockLog
 from workers.protocol import BackendStats, BlockEvent, WorkerInfo
 from workers.protocol.model import load_model_info
 from workers.registry import backend_class
@@ -55,7 +56,8 @@ class WorkerActor:
         self.backend = None
         self.server: StreamServer | None = None
         self.info_: WorkerInfo | None = None
-        self.block_events: list[BlockEvent] = []
+        self.block_log = BlockLog()
+        self.publisher = None  # with a Redis URL: cache.publisher.BlockPublisher
         self._lock = asyncio.Lock()
 
     async def start(self) -> WorkerInfo:
@@ -66,13 +68,17 @@ class WorkerActor:
             profile = select_profile(device_name, builtin_profiles(), self.config.workers.device_profile)
             model = load_model_info(self.config.model.path)
             cls = backend_class(self.config.workers.backend)
-            self.backend = cls(self.config, profile, model, block_sink=self._on_blocks, worker_id=self.worker_id)
+            sink = await self._block_sink()
+            self.backend = cls(self.config, profile, model, block_sink=sink, worker_id=self.worker_id)
             await self.backend.start()
+            if self.publisher is not None:
+                await self.publisher.start()
             from workers.protocol import telemetry as tm
 
             provider = tm.setup_tracing(self.config.telemetry, role="worker")
             self.server = StreamServer(self.backend, host=self.bind_host, worker_id=self.worker_id,
-                                       tracer=provider.get_tracer("pulse.worker"))
+                                       tracer=provider.get_tracer("pulse.worker"),
+                                       block_log=None if self.publisher else self.block_log)
             url = await self.server.start()
             host = advertised_host(self.bind_host)
             url = url.replace(self.bind_host, host, 1) if host != self.bind_host else url
@@ -84,10 +90,30 @@ class WorkerActor:
             log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
             return self.info_
 
-    def _on_blocks(self, event: BlockEvent) -> None:
-        # The prefix index subscribes here (cache/); until it is attached, keep a bounded recent history.
-        self.block_events.append(event)
-        del self.block_events[:-1024]
+    async def _block_sink(self):
+        """Where KV block events go: Redis (many gateways) or the log gateways pull (single box).
+
+        Engines call the sink from their own thread; the publisher wants the event loop's thread.
+        """
+        if not self.config.redis.url:
+            return self.block_log.add
+        from cache.publisher import BlockPublisher
+        from cache.redis_index import RedisPrefixIndex
+
+        loop = asyncio.get_running_loop()
+        index = RedisPrefixIndex.from_config(self.config.redis, ttl_s=self.config.routing.block_ttl_s,
+                                             on_recovered=lambda: self.publisher.request_refill())
+        try:
+            await index.connect()
+        except Exception as e:  # Redis down at start: the publisher retries and snapshots when it is back
+            log.warning("prefix index unavailable at start: %s", e)
+        self.publisher = BlockPublisher(index, self.worker_id, current_blocks=self._current_blocks,
+                                        snapshot_every_s=self.config.routing.block_ttl_s / 3)
+        return lambda event: loop.call_soon_threadsafe(self.publisher.sink, event)
+
+    def _current_blocks(self) -> dict:
+        blocks = getattr(self.backend, "cached_blocks", None)
+        return blocks() if callable(blocks) else {}
 
     async def info(self) -> WorkerInfo | None:
         return self.info_
@@ -101,6 +127,8 @@ class WorkerActor:
             self.server.draining = True
 
     async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close(drop=True)
         if self.server:
             await self.server.close()
         if self.backend:

@@ -20,7 +20,8 @@ log = logging.getLogger("pulse.worker.stream")
 
 class StreamServer:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, *, tracer=None,
-                 worker_id: str = ""):
+                 worker_id: str = "", block_log=None):
+        self.block_log = block_log
         self.backend, self.host, self.port = backend, host, port
         self.tracer = tracer or tm.trace.get_tracer("pulse.worker")
         self.worker_id = worker_id
@@ -31,6 +32,7 @@ class StreamServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/stats", self.stats)
+        app.router.add_get("/blocks", self.blocks)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
@@ -47,6 +49,16 @@ class StreamServer:
         if self.draining:
             stats.healthy = False
         return web.Response(body=encode(stats), content_type="application/json")
+
+    async def blocks(self, request: web.Request) -> web.Response:
+        """KV block events after `since` (workers/blocklog.py), for gateways with an in-process index."""
+        if self.block_log is None:
+            return _error(404, "this worker publishes block events to Redis", "no_block_log")
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return _error(400, "since must be an integer", "bad_request")
+        return web.Response(body=encode(self.block_log.since(since)), content_type="application/json")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if self.draining:

@@ -41,7 +41,7 @@ def test_one_trace_from_gateway_to_worker(traced_server):
     srv, sink = traced_server
     parent_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     chat(srv.base, {"traceparent": f"00-{parent_trace}-00f067aa0ba902b7-01"})
-    want = {tm.SPAN_PREFILL, tm.SPAN_DECODE, tm.SPAN_ROUTE, "POST /v1/chat/completions"}
+    want = {tm.SPAN_PREFILL, tm.SPAN_DECODE, tm.SPAN_ROUTE, tm.SPAN_ADMISSION, "POST /v1/chat/completions"}
     spans = sink.wait_for(lambda s: want <= {x.name for x in s if x.trace_id == parent_trace}, 20)
     mine = {s.name: s for s in spans if s.trace_id == parent_trace}
     http = mine["POST /v1/chat/completions"]
@@ -49,7 +49,9 @@ def test_one_trace_from_gateway_to_worker(traced_server):
     assert http.attributes["gen_ai.request.model"] == "gemma-3-270m"
     assert http.attributes["gen_ai.usage.output_tokens"] == 4
     assert http.attributes["gen_ai.response.finish_reasons"] == ("length",)
-    assert mine[tm.SPAN_ROUTE].parent_span_id == http.span_id
+    assert mine[tm.SPAN_ADMISSION].parent_span_id == http.span_id
+    assert mine[tm.SPAN_ROUTE].parent_span_id == mine[tm.SPAN_ADMISSION].span_id
+    assert mine[tm.SPAN_ADMISSION].attributes[tm.PULSE_ADMISSION_RESULT] == "admit"
     for name in (tm.SPAN_PREFILL, tm.SPAN_DECODE):
         assert mine[name].parent_span_id == http.span_id, name
         assert mine[name].resource.get("pulse.role") == "worker"

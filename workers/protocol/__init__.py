@@ -103,6 +103,14 @@ class BlockEvent(msgspec.Struct):
 BlockSink = Callable[[BlockEvent], None]
 
 
+class BlockBatch(msgspec.Struct):
+    """GET /blocks?since=N on a worker: its block events after N (workers/blocklog.py)."""
+
+    seq: int  # the last event's number; pass it back as `since`
+    reset: bool  # the caller missed events: drop what it knows of this worker first
+    events: list[BlockEvent]
+
+
 class BackendError(Exception):
     """A failure that carries an HTTP-style status and survives process boundaries (picklable)."""
 

@@ -1,0 +1,148 @@
+"""From an accepted request to an open worker stream: admission, routing, retry before the first byte.
+
+    dispatcher = Dispatcher(pool, router, gate, metrics, tracer, context_length=..., index=...)
+    ticket = await dispatcher.open(gen)        # raises APIError (429 / 503 / 4xx) when it cannot
+    ... relay ticket.first, then iter ticket.chunks ...
+    dispatcher.close(ticket)                   # always, in finally
+
+Routing asks the prefix index once (gateway/router.py) and the pure policy decides; admission (the
+gateway's queue, policy/admission) decides whether the chosen worker can take it now, later, or never.
+A worker that fails before its first chunk is marked and the request goes to another one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from gateway.errors import APIError
+from gateway.pool import WorkerPool, WorkerState, iter_chunks
+from gateway.router import load_of
+from policy.types import AdmissionRequest
+from workers.protocol import BackendError, Chunk, GenerateRequest
+from workers.protocol import telemetry as tm
+
+log = logging.getLogger("pulse.gateway.dispatch")
+
+
+@dataclass
+class Ticket:
+    worker: WorkerState
+    response: object  # the aiohttp response of the worker stream
+    chunks: object  # async iterator of the remaining Chunks
+    first: Chunk
+    reason: str
+    cached_tokens: int
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, router, gate, metrics, tracer, *, context_length: int,
+                 index=None, max_retries: int = 2):
+        self.pool, self.router, self.gate = pool, router, gate
+        self.metrics, self.tracer = metrics, tracer
+        self.context_length = context_length
+        self.index = index  # in-process index: the gateway records where it sent each prompt at once
+        self.max_retries = max_retries
+
+    async def open(self, gen: GenerateRequest) -> Ticket:
+        tried: set[str] = set()
+        last: BackendError | None = None
+        for _ in range(self.max_retries + 1):
+            routed = await self._admit(gen, tried)
+            w = routed.worker
+            tried.add(w.worker_id)
+            w.inflight += 1  # before any await: the next admission sees this request's load
+            try:
+                resp = await self.pool.open_stream(w, gen)
+                chunks = iter_chunks(resp)
+                first = await self._first(w, resp, chunks)
+            except BackendError as e:
+                w.inflight -= 1
+                self.gate.leave()
+                last = e
+                if e.status < 500 and e.status != 429:
+                    raise APIError(e.status, e.message, code=e.code) from None
+                continue
+            except BaseException:
+                w.inflight -= 1
+                self.gate.leave()
+                raise
+            self._remember(w, routed)
+            return Ticket(w, resp, chunks, first, routed.reason, routed.cached_tokens)
+        raise self._exhausted(last)
+
+    def close(self, ticket: Ticket) -> None:
+        ticket.worker.inflight -= 1
+        ticket.response.close()
+        self.gate.leave()
+
+    async def _admit(self, gen: GenerateRequest, tried: set[str]):
+        chosen: dict = {}
+
+        async def route():
+            workers = [w for w in self.pool.routable() if w.worker_id not in tried]
+            if not workers:
+                chosen.clear()
+                return None, self._admission_request(gen, 0)
+            t0 = time.perf_counter()
+            with self.tracer.start_as_current_span(tm.SPAN_ROUTE) as span:
+                result = await self.router.choose(workers, gen)
+                span.set_attribute(tm.PULSE_ROUTE_REASON, result.reason)
+                if result.worker is not None:
+                    span.set_attribute(tm.PULSE_WORKER, result.worker.worker_id)
+                span.set_attribute(tm.PULSE_PREFIX_MATCHED_TOKENS, result.cached_tokens)
+            self.metrics.routed(time.perf_counter() - t0)
+            self.metrics.prefix_lookup(0.0, result.cached_tokens, len(gen.prompt_ids))
+            chosen["result"] = result
+            target = load_of(result.worker) if result.worker is not None else None
+            return target, self._admission_request(gen, result.cached_tokens)
+
+        with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
+            decision = await self.gate.enter(route, gen.priority)
+            span.set_attribute(tm.PULSE_ADMISSION_RESULT, decision.action if decision.action == "admit"
+                               else (decision.code or decision.action))
+        if decision.action != "admit" or not chosen.get("result") or chosen["result"].worker is None:
+            self.metrics.rejected(decision.code or "no_worker")
+            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
+            status = decision.status or 503
+            raise APIError(status, decision.message or "no worker can take this request now",
+                           code=decision.code or "no_healthy_worker", headers=headers)
+        return chosen["result"]
+
+    def _admission_request(self, gen: GenerateRequest, cached: int) -> AdmissionRequest:
+        return AdmissionRequest(prompt_tokens=len(gen.prompt_ids), max_tokens=gen.max_tokens, cached_tokens=cached,
+                                priority=gen.priority, context_length=self.context_length)
+
+    async def _first(self, w: WorkerState, resp, chunks) -> Chunk:
+        try:
+            return await chunks.__anext__()
+        except StopAsyncIteration:
+            resp.close()
+            raise BackendError(f"worker {w.worker_id} closed the stream before any output", 503) from None
+        except (asyncio.TimeoutError, OSError, ValueError) as e:
+            resp.close()
+            self.pool.record_failure(w)
+            raise BackendError(f"worker {w.worker_id} failed before any output: {e}", 503) from None
+
+    def _remember(self, w: WorkerState, routed) -> None:
+        """The chosen worker will hold this prompt's blocks: record it now, before the worker's own
+        events arrive, so the next turn of the conversation already finds them."""
+        hashes = getattr(routed, "hashes", None)
+        if self.index is not None and hashes:
+            asyncio.get_running_loop().create_task(self._publish(w.worker_id, hashes))
+
+    async def _publish(self, worker_id: str, hashes: list[int]) -> None:
+        try:
+            await self.index.publish(worker_id, hashes, "gpu")
+        except Exception as e:  # the index is a hint; routing works without it
+            log.debug("provisional publish failed: %s", e)
+
+    def _exhausted(self, last: BackendError | None) -> APIError:
+        if last is not None and last.status == 429:
+            return APIError(429, last.message, code="rate_limited", headers={"Retry-After": "1"})
+        if not self.pool.any_healthy():
+            return APIError(503, "no healthy worker can serve this request now", code="no_healthy_worker",
+                            headers={"Retry-After": "2"})
+        return APIError(503, f"no worker could take the request: {last.message if last else 'none routable'}",
+                        code="workers_unavailable", headers={"Retry-After": "1"})
