@@ -127,6 +127,7 @@ class StreamSeen:
     worker: str | None = None
     retry_after: str | None = None  # the Retry-After header of a refusal
     content_events: int = 0
+    body_bytes: int = 0  # bytes of the event lines read
     error_events: list[dict] = field(default_factory=list)
     done: bool = False  # saw data: [DONE]
     closed: bool = False  # the server ended the body
@@ -148,6 +149,7 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
                 seen.error_events.append(json.loads(await r.read()))
             else:
                 async for line in r.content:
+                    seen.body_bytes += len(line)
                     if not line.startswith(b"data: "):
                         continue
                     payload = line[6:].strip()
