@@ -170,3 +170,32 @@ def test_bitmask_unpacks_in_token_order():
     logits = np.zeros((1, 40), np.float32)
     apply_bitmask(np, logits, [0], bitmask)
     assert list(np.flatnonzero(logits[0] == 0)) == [3, 33]
+
+
+@pytest.mark.parametrize("allowed", [[0, 5, 31, 32, 262_143], list(range(0, 262_144, 3))])
+def test_host_masking_of_sparse_and_dense_rows_agrees_with_the_bits(allowed):
+    vocab = 262_144
+    bitmask = np.zeros((2, vocab // 32), np.int32)
+    for t in allowed:
+        bitmask[1, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    logits = np.arange(2 * vocab, dtype=np.float32).reshape(2, vocab)
+    apply_bitmask(np, logits, [1], bitmask[1:])
+    assert (logits[0] == np.arange(vocab)).all()  # an unconstrained row is untouched
+    kept = np.flatnonzero(logits[1] != MASKED)
+    assert list(kept) == allowed and (logits[1, kept] == vocab + kept).all()
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1]])
+def test_device_path_masks_like_the_host_path(rows):
+    """The vectorised path CuPy takes, run here with NumPy's functions standing in for cupy's."""
+    import types
+
+    xp = types.SimpleNamespace(asarray=np.asarray, unpackbits=np.unpackbits, copyto=np.copyto, where=np.where)
+    rng = np.random.default_rng(3)
+    bitmask = rng.integers(-2**31, 2**31, size=(len(rows), 8), dtype=np.int64).astype(np.int32)
+    bitmask[0, :4] = 0
+    logits = rng.standard_normal((3, 250)).astype(np.float32)
+    host, device = logits.copy(), logits.copy()
+    apply_bitmask(np, host, rows, bitmask)
+    apply_bitmask(xp, device, rows, bitmask)
+    assert (host == device).all() and (host == MASKED).sum() > 0

@@ -156,14 +156,36 @@ def allowed_prefix(matcher: llg.LLMatcher, draft_ids: list[int]) -> int:
 
 
 def apply_bitmask(xp, logits, rows: list[int], bitmask: np.ndarray):
-    """Mask `logits[rows]` in place on the device with a packed (rows, words) int32 host bitmask."""
+    """Mask `logits[rows]` in place with a packed (rows, words) int32 host bitmask (bit set = allowed)."""
+    if xp is np:
+        for j, i in enumerate(rows):
+            _mask_host_row(logits[i], bitmask[j])
+        return logits
     vocab = logits.shape[1]
-    packed = xp.asarray(bitmask.view(np.uint8))  # the one host->device copy: vocab/8 bytes per row
-    allowed = xp.unpackbits(packed.ravel(), bitorder="little").reshape(len(rows), -1)[:, :vocab]
+    packed = xp.asarray((~bitmask).view(np.uint8))  # the one host->device copy: vocab/8 bytes per row
+    disallowed = xp.unpackbits(packed.ravel(), bitorder="little").reshape(len(rows), -1)[:, :vocab].astype(bool)
     masked = xp.asarray(MASKED, dtype=logits.dtype)
     if len(rows) == logits.shape[0]:
-        xp.copyto(logits, masked, where=allowed == 0)
+        xp.copyto(logits, masked, where=disallowed)
     else:
-        for j, i in enumerate(rows):
-            xp.copyto(logits[i], masked, where=allowed[j] == 0)
+        idx = xp.asarray(np.asarray(rows))
+        logits[idx] = xp.where(disallowed, masked, logits[idx])
     return logits
+
+
+def _mask_host_row(row: np.ndarray, words: np.ndarray) -> None:
+    """One row on the CPU. Most JSON states allow a few tokens (between keys, in numbers) or nearly all (in
+    strings); for the first, keeping the allowed values and filling the row beats a 262k-wide masked copy
+    (~4x on the 2-core box)."""
+    vocab = row.shape[0]
+    nonzero = np.flatnonzero(words)
+    if nonzero.size * 2 < words.size:
+        bits = np.unpackbits(words[nonzero].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(bool)
+        idx = (nonzero[:, None] * 32 + np.arange(32))[bits]
+        idx = idx[idx < vocab]
+        keep = row[idx]
+        row.fill(MASKED)
+        row[idx] = keep
+    else:
+        disallowed = np.unpackbits((~words).view(np.uint8), bitorder="little")[:vocab].view(bool)
+        np.copyto(row, np.float32(MASKED), where=disallowed)
