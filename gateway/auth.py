@@ -90,13 +90,16 @@ class KeyAuth:
         await self.quota.close()
 
     async def _keyed(self) -> bool:
-        """Whether any active key exists (re-read every recheck_s; on a store error, assume keyed)."""
+        """Whether any active key exists (re-read every recheck_s).
+
+        On a store error the last known answer stands (a keyless loopback box stays open through a Redis
+        restart); with no answer yet, assume keyed: never open up because Redis is away."""
         now = time.monotonic()
         if self._has_keys is None or now - self._checked_at >= self.recheck_s:
             try:
                 self._has_keys = await self.store.has_keys()
             except KeysUnavailable:
-                self._has_keys = True  # fail closed: never open up because Redis is away
+                self._has_keys = True if self._has_keys is None else self._has_keys
             self._checked_at = now
         return self._has_keys
 
