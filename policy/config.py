@@ -62,6 +62,10 @@ class EngineConfig(PulseModel):
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
     cache_dir: str | None = Field(None, description="Where dequantized weights are cached; empty: ~/.cache/pulse.")
+    cpu_threads: int | None = Field(
+        1, ge=1, description="BLAS threads of the NumPy (CPU) path; empty: the BLAS default. One thread avoids "
+        "OpenBLAS spin-waiting against the gateway and Ray on small boxes."
+    )
 
 
 class LlamaServerConfig(PulseModel):

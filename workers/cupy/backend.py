@@ -79,7 +79,13 @@ class EngineBackend(Backend):
         weights = load_weights(self._info.path, self._engine_cfg.cache_dir)
         sizes = self._sizes()
         log.info("engine on %s: %s", self.device, sizes)
-        engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, ops=_ops_for(xp), **sizes)
+        if xp is np:
+            _limit_blas_threads(self._engine_cfg.cpu_threads)
+            engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, **sizes)
+        else:  # the GPU engine: fused kernels, cuBLAS in graphs, decode as CUDA graphs (workers/cupy/gpu)
+            from workers.cupy.gpu import create_gpu_engine
+
+            engine = create_gpu_engine(self._info, weights, block_sink=self._block_sink, **sizes)
         tokenizer = load_tokenizer(self._info.path)
         engine.constraints = _constraints(tokenizer, self._info, xp)
         return engine, tokenizer
@@ -272,14 +278,10 @@ async def _prepare_grammar(engine: Engine, schema_text: str) -> None:
         raise BackendError(str(exc), 503) from None
 
 
-def _ops_for(xp):
-    """The compute primitives for `xp`: GPU kernels where workers/cupy/gpu provides them, else the xp ops."""
-    from workers.cupy.ops import Ops
+def _limit_blas_threads(threads: int | None) -> None:
+    """Cap the BLAS pool for this process: on a 2-core box shared with the gateway and Ray, OpenBLAS'
+    spinning threads made a decode step several times slower than one thread did."""
+    if threads:
+        from threadpoolctl import threadpool_limits
 
-    if xp is np:
-        return Ops(xp)
-    try:
-        from workers.cupy.gpu import gpu_ops
-    except ImportError:
-        return Ops(xp)
-    return gpu_ops(xp)
+        threadpool_limits(limits=threads, user_api="blas")
