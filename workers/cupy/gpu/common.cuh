@@ -35,6 +35,13 @@ __device__ __forceinline__ float2 to_f2(act2_t x) { return __half22float2(x); }
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (pdl.py): wait until the previous kernel of the stream has completed and its
+// writes are visible, then let the next one be scheduled. Both are no-ops for a normally launched kernel.
+__device__ __forceinline__ void pdl_wait_then_trigger() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 #define LANE_DIMS (HEAD_DIM / 32)  // head dims per lane in attention: 8 = one 16-byte load
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -157,7 +157,7 @@ class GpuGemma3:
             ws.logits[...] = cp.tanh(ws.logits / cap) * cap
         self.kernels.argmax_rows(ws.logits, ws.chosen, ws.part_v, ws.part_i)
 
-    def _attention(self, i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused: bool):
+    def _attention(self, i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused: bool, pdl=False):
         c = self.cfg
         rcos, rsin = lw["rope"]
         fuse = (ws.qkv, lw["q_norm"], lw["k_norm"], slots, rcos, rsin, c.eps) if fused else None
@@ -165,7 +165,7 @@ class GpuGemma3:
             self.kernels.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, rcos, rsin, c.eps,
                                   c.n_heads, c.n_kv_heads, ws.q, kv.k[i], kv.v[i])
         self.kernels.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
-                               c.query_scale, c.n_kv_heads, ws.attn, fused=fuse)
+                               c.query_scale, c.n_kv_heads, ws.attn, fused=fuse, pdl=pdl)
 
     def _layers_blas(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode):
         """Any step size: cuBLAS products, separate norm and gelu kernels (9 launches a layer, 8 when decoding)."""
@@ -189,14 +189,15 @@ class GpuGemma3:
         c, k, eps, L = self.cfg, self.kernels, self.cfg.eps, self.layers
         ra, rb = ws.resid, ws.resid2
         k.gemv(GEMV_EMBED, L[0]["qkv"], ws.qkv, tok=tok, emb=self.embed, emb_scale=math.sqrt(c.hidden),
-               w_norm=L[0]["attn_norm"], resid_out=ra, eps=eps)
+               w_norm=L[0]["attn_norm"], resid_out=ra, eps=eps, pdl=True)
         for i, lw in enumerate(L):
-            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, True)
-            k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn, zero=ws.down)  # mlp_fused adds into ws.down
-            k.mlp_fused(lw["gate_up"], lw["down"], ws.o, ra, rb, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.down)
+            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, True, pdl=True)
+            k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn, zero=ws.down, pdl=True)  # mlp_fused adds into down
+            k.mlp_fused(lw["gate_up"], lw["down"], ws.o, ra, rb, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.down,
+                        pdl=True)
             if i + 1 < len(L):
                 k.gemv(GEMV_ADD_NORM, L[i + 1]["qkv"], ws.qkv, src=ws.down, resid_in=rb, resid_out=ra,
-                       w_post=lw["post_ffn_norm"], w_norm=L[i + 1]["attn_norm"], eps=eps)
+                       w_post=lw["post_ffn_norm"], w_norm=L[i + 1]["attn_norm"], eps=eps, pdl=True)
 
     def forward(self, batch, kv: KVStorage):
         """Logits (rows of batch.logits_indices, vocab) for one engine step (workers/cupy/batch.StepBatch)."""

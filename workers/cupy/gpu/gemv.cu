@@ -93,8 +93,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
          float* __restrict__ zero_out, int zero_n) {
   extern __shared__ float xs[];  // [M][K], then scratch [M][3][K] in the norm modes
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // zero_out: an accumulator a later launch adds into (mlp_fused's output), cleared here for free
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += gridDim.x * blockDim.x) zero_out[i] = 0.f;
   const int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_RPW;
   const int chunks = K / 8;  // 16-byte chunks per weight row
   // the weights do not depend on the prologue: their loads go first and overlap it
@@ -107,6 +105,9 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
       wv[r][j] = (c < chunks && n0 + r < N) ? *reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + c * 8)
                                             : make_uint4(0, 0, 0, 0);
     }
+  pdl_wait_then_trigger();  // everything below reads what earlier kernels wrote
+  // zero_out: an accumulator a later launch adds into (mlp_fused's output), cleared here for free
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += gridDim.x * blockDim.x) zero_out[i] = 0.f;
   if (mode == GEMV_PLAIN) {
     for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = to_f(x_act[i]);
   } else if (mode == GEMV_GELU) {
@@ -194,6 +195,7 @@ extern "C" __global__ void __launch_bounds__(256)
     dv[i] = item < 2 * H ? *reinterpret_cast<const uint4*>(down + (size_t)(item >> 1) * F + f0 + (item & 1) * 8)
                          : make_uint4(0, 0, 0, 0);
   }
+  pdl_wait_then_trigger();  // the weights are in flight; now the inputs earlier kernels wrote
   const int n = M * H;
   gemv_norm_rows(GEMV_ADD_NORM, M, H, o, resid_in, resid_out, w_post, w_norm, nullptr, nullptr, 1.f, eps, xs,
                  xs + n, xs + 2 * n, xs + 3 * n);

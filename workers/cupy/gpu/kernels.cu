@@ -138,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
   __shared__ int sbt[ATT_SBT];  // block-table entries: the whole context's when they fit, else one chunk's
   __shared__ float red[ATT_WARPS][GROUP][HEAD_DIM];
   __shared__ float chunk_m[GROUP], chunk_s[GROUP];
+  pdl_wait_then_trigger();  // positions, slots and q/k/v come from earlier kernels of the step
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p = pos[t];

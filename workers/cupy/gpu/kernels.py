@@ -39,7 +39,10 @@ def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
 
 
 class Kernels:
-    """The compiled kernels for one model shape and activation dtype."""
+    """The compiled kernels for one model shape and activation dtype.
+
+    `pdl=True` on attention/gemv/mlp_fused launches them with programmatic dependent launch (pdl.py), for the
+    small-batch decode chain; PULSE_GPU_PDL=0 turns that off."""
 
     def __init__(self, head_dim: int = 256, group: int = 4, act: str = "float16"):
         if head_dim != 256:
@@ -53,6 +56,15 @@ class Kernels:
         # the norm modes stage 4 x M x K floats (80 KB at M=8, K=640): past the default 48 KB
         self._f["gemv"].max_dynamic_shared_size_bytes = 128 * 1024
         self._f["mlp_fused"].max_dynamic_shared_size_bytes = 128 * 1024
+        self.use_pdl = os.environ.get("PULSE_GPU_PDL", "1") != "0"
+
+    def _launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
+        if pdl and self.use_pdl:
+            from workers.cupy.gpu.pdl import launch
+
+            launch(self._f[name], grid, block, args, shared_mem)
+        else:
+            self._f[name](grid, block, args, shared_mem=shared_mem)
 
     def embed_norm(self, tok, emb, scale: float, w, eps: float, resid, out):
         t, h = resid.shape
@@ -77,7 +89,7 @@ class Kernels:
             q_out, k_cache, v_cache))
 
     def attention(self, q, k_cache, v_cache, block_tables, tok_row, pos, block_size: int, window: int,
-                  scale: float, n_kv: int, out, fused=None):
+                  scale: float, n_kv: int, out, fused=None, pdl: bool = False):
         """fused: None, or (qkv, q_norm_w, k_norm_w, slots, rope_cos, rope_sin, eps) for a pure decode step, where
         the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused)."""
         assert block_size >= 8, "the attention kernel stages a chunk's block-table entries for blocks >= 8 tokens"
@@ -88,12 +100,14 @@ class Kernels:
             qkv, qn, kn, slots, rcos, rsin, eps = fused
             assert n_kv == 1
             extra = (qkv, qn, kn, slots, rcos, rsin, np.float32(eps))
-        self._f["attention"]((t, n_kv), (256,), (
+        self._launch("attention", (t, n_kv), (256,), (
             q if q is not None else _NULL, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row,
-            pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra)
+            pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra,
+            pdl=pdl)
 
     def gemv(self, mode: int, w, out, *, x_act=None, src=None, resid_in=None, resid_out=None, w_post=None,
-             w_norm=None, tok=None, emb=None, emb_scale: float = 1.0, eps: float = 1e-6, zero=None):
+             w_norm=None, tok=None, emb=None, emb_scale: float = 1.0, eps: float = 1e-6, zero=None,
+             pdl: bool = False):
         """out[M, N] (fp32) = prologue(...)[M, K] @ w[N, K].T for M <= GEMV_MAX_M (see gemv.cu for the modes)."""
         m, n = out.shape
         k = w.shape[1]
@@ -103,20 +117,20 @@ class Kernels:
         def p(a):
             return _NULL if a is None else a
 
-        self._f["gemv"](((n + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (256,), (
+        self._launch("gemv", ((n + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (256,), (
             np.int32(mode), np.int32(m), np.int32(k), np.int32(n), w, p(x_act), p(src), p(resid_in), p(resid_out),
             p(w_post), p(w_norm), p(tok), p(emb), np.float32(emb_scale), np.float32(eps), out, p(zero),
-            np.int32(0 if zero is None else zero.size)), shared_mem=smem)
+            np.int32(0 if zero is None else zero.size)), shared_mem=smem, pdl=pdl)
 
-    def mlp_fused(self, gate_up, down, o, resid_in, resid_out, w_post, w_norm, eps: float, out):
+    def mlp_fused(self, gate_up, down, o, resid_in, resid_out, w_post, w_norm, eps: float, out, pdl: bool = False):
         """out[M, H] += down @ (gelu(gate) * up)(rms(resid_in + rms(o) * w_post) * w_norm); out must be zero.
         resid_out gets the new residual. M <= GEMV_MAX_M, H <= 1024, F % 16 == 0 (see gemv.cu)."""
         m, h = out.shape
         f = down.shape[1]
         assert m <= GEMV_MAX_M and h <= 1024 and h % 32 == 0 and f % MLP_F == 0 and gate_up.shape == (2 * f, h)
-        self._f["mlp_fused"]((f // MLP_F,), (256,), (
+        self._launch("mlp_fused", (f // MLP_F,), (256,), (
             np.int32(m), np.int32(h), np.int32(f), gate_up, down, o, resid_in, resid_out, w_post, w_norm,
-            np.float32(eps), out), shared_mem=16 * m * h)
+            np.float32(eps), out), shared_mem=16 * m * h, pdl=pdl)
 
     def gelu_mul(self, gate_up, out):
         t, f = out.shape
