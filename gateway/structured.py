@@ -29,8 +29,8 @@ def schema_text(schema: Any, param: str) -> str:
         raise bad_param(param, f"`{param}` must be a JSON Schema object")
     try:
         text = json.dumps(schema, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise bad_param(param, f"`{param}` is not serialisable as JSON: {e}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise bad_param(param, f"`{param}` cannot be used as a JSON schema: {e}") from None
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise bad_param(param, f"`{param}` is {len(text.encode())} bytes; at most {MAX_SCHEMA_BYTES} are accepted",
                         code="schema_too_large")

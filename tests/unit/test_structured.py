@@ -56,6 +56,16 @@ def test_huge_schemas_are_refused_before_compiling():
     assert e.code == "schema_too_large" and str(MAX_SCHEMA_BYTES) in e.message
 
 
+@pytest.mark.parametrize("depth", [500, 5000])
+def test_deeply_nested_schemas_are_400s(depth):
+    schema = cur = {"type": "array"}
+    for _ in range(depth):
+        cur["items"] = cur = {"type": "array"}
+    with pytest.raises(APIError) as e:
+        schema_text(schema, "response_format.json_schema.schema")
+    assert e.value.status == 400 and e.value.param == "response_format.json_schema.schema"
+
+
 def test_schema_checks_are_cached_per_schema():
     from gateway.structured import _compile_error
 
