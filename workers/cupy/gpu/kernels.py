@@ -42,7 +42,7 @@ class Kernels:
     """The compiled kernels for one model shape and activation dtype.
 
     `pdl=True` on attention/gemv/mlp_fused launches them with programmatic dependent launch (pdl.py), for the
-    small-batch decode chain; PULSE_GPU_PDL=0 turns that off."""
+    small-batch decode chain when PULSE_GPU_PDL=1 (off by default: it measured no faster, NOTES.md)."""
 
     def __init__(self, head_dim: int = 256, group: int = 4, act: str = "float16"):
         if head_dim != 256:
@@ -56,7 +56,7 @@ class Kernels:
         # the norm modes stage 4 x M x K floats (80 KB at M=8, K=640): past the default 48 KB
         self._f["gemv"].max_dynamic_shared_size_bytes = 128 * 1024
         self._f["mlp_fused"].max_dynamic_shared_size_bytes = 128 * 1024
-        self.use_pdl = os.environ.get("PULSE_GPU_PDL", "1") != "0"
+        self.use_pdl = os.environ.get("PULSE_GPU_PDL", "0") == "1"  # measured: no gain (NOTES.md)
 
     def _launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
         if pdl and self.use_pdl:

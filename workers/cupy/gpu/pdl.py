@@ -66,6 +66,7 @@ def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) ->
     g = tuple(grid) + (1, 1)
     cfg = _Config(g[0], g[1], 1, block[0], 1, 1, shared_mem, ctypes.c_void_p(cp.cuda.get_current_stream().ptr),
                   ctypes.pointer(attr), 1)
-    rc = _cuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.ptr), params, None)
+    fn = getattr(func, "kernel", func)  # CuPy RawKernel -> its loaded cupy.cuda.Function
+    rc = _cuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
     if rc != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
