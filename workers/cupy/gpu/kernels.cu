@@ -114,8 +114,8 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 
 #define ATT_WARPS 8
 #define ATT_CHUNK 256
-#ifndef ATT_UNROLL  // keys per warp in flight (kernels.py passes PULSE_GPU_ATT_UNROLL, default 8)
-#define ATT_UNROLL 8
+#ifndef ATT_UNROLL  // keys per warp in flight (kernels.py passes PULSE_GPU_ATT_UNROLL, default 4)
+#define ATT_UNROLL 4
 #endif
 #define ATT_SBT 64  // >= ATT_CHUNK / 8 + 2: a chunk's entries always fit (block_size >= 8)
 

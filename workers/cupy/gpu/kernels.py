@@ -30,8 +30,8 @@ def argmax_chunks(vocab: int) -> int:
 
 @lru_cache(maxsize=None)
 def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
-    # keys each attention warp loads at once: 8 halves the dependent loads of 4 at 254 registers (no spills)
-    unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "8"))
+    # keys each attention warp loads at once: 8 (254 registers) measured slower than 4 (NOTES.md)
+    unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "4"))
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
                f"-DATT_UNROLL={unroll}")
     code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
