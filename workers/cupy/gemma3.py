@@ -105,7 +105,7 @@ class Gemma3:
             is_global = c.is_global(i)
             x = self._layer(i, lw, x, batch, kv, rope_global if is_global else rope_local, is_global)
         h = ops.rms_norm(x[batch.logits_indices], self.out_norm, c.eps)
-        logits = ops.linear(h, self.embed)
+        logits = ops.lm_head(h, self.embed)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
 
     def _layer(self, i: int, lw: dict, x, batch: StepBatch, kv: KVStorage, rope, is_global: bool):

@@ -34,6 +34,11 @@ class Ops:
         """x @ weight.T with weight stored (out, in), as GGUF and cuBLAS' transposed GEMM both like it."""
         return x @ weight.T
 
+    def lm_head(self, h, table):
+        """Logits (rows, vocab) = h @ table.T. Written as (table @ h.T).T because OpenBLAS streams the
+        262k-row table faster that way once there are several rows (8 rows: ~130 vs ~170 ms CPU time)."""
+        return self.xp.ascontiguousarray((table @ h.T).T)
+
     def gelu_tanh_mul(self, gate, up):
         """gelu(gate, tanh approximation) * up: Gemma's gated MLP."""
         xp = self.xp
