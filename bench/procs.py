@@ -7,6 +7,7 @@ to another group (Ray's actors do), and what needed the SIGKILL is reported.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 20000, high: int = 32767) -> int:
+    """A free loopback port below the kernel's ephemeral range (32768+) and above Ray's worker ports.
+
+    Not bind(0): that gives an ephemeral port, and Ray's components, started after we pick it and before
+    the server binds it, take ephemeral ports too (seen here: the gateway failed with EADDRINUSE).
+    """
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def descendants(pid: int) -> list[int]:
