@@ -61,6 +61,10 @@ class EngineConfig(PulseModel):
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    speculation: bool = Field(
+        True, description="Speculative decoding (prompt lookup, Predicted Outputs) with K per step from the device "
+        "profile's speculation table; off: never draft."
+    )
     cache_dir: str | None = Field(None, description="Where dequantized weights are cached; empty: ~/.cache/pulse.")
     cpu_threads: int | None = Field(
         1, ge=1, description="BLAS threads of the NumPy (CPU) path; empty: the BLAS default. One thread avoids "

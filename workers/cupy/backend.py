@@ -88,6 +88,10 @@ class EngineBackend(Backend):
             engine = create_gpu_engine(self._info, weights, block_sink=self._block_sink, **sizes)
         tokenizer = load_tokenizer(self._info.path)
         engine.constraints = _constraints(tokenizer, self._info, xp)
+        if self._engine_cfg.speculation:
+            from workers.cupy.speculative import Speculator
+
+            engine.speculator = Speculator(self._profile)
         return engine, tokenizer
 
     async def close(self) -> None:
@@ -111,7 +115,12 @@ class EngineBackend(Backend):
         if eng is None:
             return BackendStats(healthy=False, block_size=self.block_size)
         gen, prefill = eng.rates()
+        spec = eng.speculator
         return BackendStats(
+            **({} if spec is None else {
+                "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
+                "drafted_by_position": list(spec.drafted_by_position),
+                "accepted_by_position": list(spec.accepted_by_position)}),
             running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
             slots=eng.scheduler.max_num_seqs, kv_blocks_total=eng.blocks.num_blocks,
             kv_blocks_used=eng.blocks.num_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
@@ -257,7 +266,8 @@ class _ChunkStream:
         if out is None:
             return Usage(prompt_tokens=len(self.request.prompt_ids))
         return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                     cached_tokens=out.cached_tokens)
+                     cached_tokens=out.cached_tokens, drafted_tokens=out.drafted_tokens,
+                     accepted_tokens=out.accepted_tokens)
 
 
 def _constraints(tokenizer, info, xp):

@@ -32,9 +32,13 @@ class StepBatch:
     num_tokens: int
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp) -> StepBatch:
+def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
+                drafts: dict[int, list[int]] | None = None) -> StepBatch:
     """Inputs for running `n` new tokens of each (sequence, n); a sequence whose chunk reaches the end of
-    its known tokens gets a logits row (its next token is sampled)."""
+    its known tokens gets a logits row (its next token is sampled).
+
+    `drafts` (speculation): {batch index: draft tokens} that follow that sequence's known tokens in this
+    step; its last known token and every draft token then get a logits row (`n` counts the drafts too)."""
     tokens, positions, slots, logits_rows, sample_rows = [], [], [], [], []
     query_start = np.zeros(len(scheduled) + 1, np.int32)
     seq_lens = np.zeros(len(scheduled), np.int32)
@@ -44,15 +48,17 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp) -> S
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int64)
         table = np.asarray(seq.block_table, np.int64)
-        tokens.append(np.asarray(seq.token_ids[start : start + n], np.int32))
+        draft = drafts.get(b, []) if drafts else []
+        tokens.append(np.asarray((seq.token_ids[start : start + n - len(draft)] + draft), np.int32))
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
         query_start[b + 1] = query_start[b] + n
         seq_lens[b] = start + n
         tables[b, : table.size] = table
-        if start + n == len(seq.token_ids):
-            logits_rows.append(int(query_start[b + 1]) - 1)
-            sample_rows.append(b)
+        if start + n == len(seq.token_ids) + len(draft):
+            last = int(query_start[b + 1])
+            logits_rows += range(last - 1 - len(draft), last)
+            sample_rows += [b] * (1 + len(draft))
     meta = AttentionMeta(query_start, seq_lens, tables, block_size)
     return StepBatch(
         token_ids=xp.asarray(np.concatenate(tokens)),

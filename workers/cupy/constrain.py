@@ -150,6 +150,29 @@ class Constraints:
         return len(draft_ids) if m is None else allowed_prefix(m, draft_ids)
 
 
+    def apply_drafts(self, logits, request_ids: list[str], drafts: dict[str, list[int]]):
+        """Like `apply` for a verification step: each row of `request_ids` is one position, and a request
+        with draft tokens has 1 + len(draft) consecutive rows; the row after draft token i is masked by the
+        grammar's state after consuming tokens 1..i. Drafts must already be cut (`cut_drafts`); the
+        matchers are rolled back to where they were."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return logits
+        bitmask = np.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, np.int32)
+        j = 0
+        while j < len(rows):
+            rid = request_ids[rows[j]]
+            m, draft = self._matchers[rid], drafts.get(rid, [])
+            for pos in range(len(draft) + 1):
+                v = bitmask[j + pos]
+                m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+                if pos < len(draft):
+                    m.consume_token(int(draft[pos]))
+            m.rollback(len(draft))
+            j += len(draft) + 1
+        return apply_bitmask(self.xp, logits, rows, bitmask)
+
+
 def allowed_prefix(matcher: llg.LLMatcher, draft_ids: list[int]) -> int:
     """Number of leading `draft_ids` the matcher accepts in order, without changing its state."""
     return matcher.validate_tokens(list(draft_ids))

@@ -31,6 +31,8 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculation, cumulative for the request
+    accepted_tokens: int = 0
 
 
 class Engine:
@@ -42,6 +44,7 @@ class Engine:
         self.rng = np.random.default_rng(seed)
         self.seqs: dict[str, Sequence] = {}
         self.constraints = None  # workers.cupy.constrain.Constraints: set by the backend to serve grammars
+        self.speculator = None  # workers.cupy.speculative.Speculator: set by the backend to draft and verify
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
 
     @property
@@ -71,6 +74,8 @@ class Engine:
             if self.constraints is None:
                 raise ValueError("this engine does not serve constrained (grammar) requests")
             self.constraints.attach(seq.request_id, request.grammar)  # GrammarError (a ValueError) if bad
+        if self.speculator is not None:
+            self.speculator.attach(seq, request)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -83,7 +88,7 @@ class Engine:
             return None
         self.scheduler.finish(seq, reason)
         self.blocks.flush_events()
-        return self._output(seq, [], None)
+        return self.output_for(seq, [], None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -93,15 +98,20 @@ class Engine:
         if not scheduled:
             self.blocks.flush_events()
             return []
-        batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
-        logits = self.model.forward(batch, self.kv)
-        for seq, n in scheduled:
-            seq.num_computed += n
-            self.blocks.commit_full_blocks(seq)
-        outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
+        drafts = self.speculator.propose(self, scheduled) if self.speculator is not None else None
+        if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
+            outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
+        else:
+            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
+            logits = self.model.forward(batch, self.kv)
+            for seq, n in scheduled:
+                seq.num_computed += n
+                self.blocks.commit_full_blocks(seq)
+            outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
+            prefilled = batch.num_tokens - len(outputs)
         self.blocks.flush_events()
         now = time.monotonic()
-        self._recent.append((now, len(outputs), batch.num_tokens - len(outputs)))
+        self._recent.append((now, sum(len(o.token_ids) for o in outputs), prefilled))
         while now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
         return outputs
@@ -122,25 +132,29 @@ class Engine:
                 logprobs = self.sampler._logprobs(raw, tokens, rows)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
-            seq.token_ids.append(token)
-            reason = None
-            if token in seq.stop_token_ids:
-                reason = "stop"
-            elif seq.num_output >= seq.max_tokens:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self.seqs.pop(seq.request_id, None)
-                if self.constraints is not None:
-                    self.constraints.release(seq.request_id)
-            outputs.append(self._output(seq, [token], lp))
+            self.append_token(seq, token)
+            outputs.append(self.output_for(seq, [token], lp))
         return outputs
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs) -> StepOutput:
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """Add a sampled token to `seq`; finish it on a stop token or at its token limit."""
+        seq.token_ids.append(token)
+        reason = None
+        if token in seq.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output >= seq.max_tokens:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+            if self.constraints is not None:
+                self.constraints.release(seq.request_id)
+
+    def output_for(self, seq: Sequence, tokens: list[int], logprobs) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id, token_ids=tokens, logprobs=logprobs, finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(seq.num_cached, 0),
-            completion_tokens=seq.num_output,
+            completion_tokens=seq.num_output, drafted_tokens=seq.num_drafted, accepted_tokens=seq.num_accepted,
         )
 
     def rates(self) -> tuple[float, float]:

@@ -110,6 +110,17 @@ class BlockManager:
                 self._by_hash[h] = block.id
                 self._added.append(h)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s blocks past the first `num_tokens` tokens (speculation's rejected drafts). Those
+        blocks were never full with committed tokens, so they hold nothing worth caching."""
+        keep = -(-num_tokens // self.block_size)
+        for bid in seq.block_table[keep:]:
+            block = self._blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(bid)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its hashed blocks stay cached; the tail blocks are evicted first."""
         for bid in reversed(seq.block_table):

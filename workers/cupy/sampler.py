@@ -54,14 +54,20 @@ class Sampler:
 
     def _draw(self, logits, rows: list[SampleRow], temps: np.ndarray):
         xp = self.xp
+        kept = self.truncated_probs(logits, rows, temps)
+        cdf = xp.cumsum(kept, axis=1)
+        target = xp.asarray(np.array([r.uniform for r in rows], np.float32))[:, None] * cdf[:, -1:]
+        return xp.minimum((cdf <= target).sum(axis=1), kept.shape[1] - 1)
+
+    def truncated_probs(self, logits, rows: list[SampleRow], temps: np.ndarray):
+        """Per row, the distribution a draw samples from (temperature, then top-k/top-p/min-p), not
+        renormalised; speculation's rejection sampling uses it as the target distribution."""
+        xp = self.xp
         scaled = logits / xp.asarray(temps)[:, None]
         probs = xp.exp(scaled - scaled.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
         threshold = xp.asarray(self._thresholds(probs, rows))
-        kept = xp.where(probs >= threshold[:, None], probs, 0)
-        cdf = xp.cumsum(kept, axis=1)
-        target = xp.asarray(np.array([r.uniform for r in rows], np.float32))[:, None] * cdf[:, -1:]
-        return xp.minimum((cdf <= target).sum(axis=1), probs.shape[1] - 1)
+        return xp.where(probs >= threshold[:, None], probs, 0)
 
     def _thresholds(self, probs, rows: list[SampleRow]):
         """Per row, the smallest probability kept after top-k, top-p and min-p."""

@@ -29,6 +29,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order; preemption takes the newest first
+    num_drafted: int = 0  # speculation: draft tokens proposed for this sequence (verified or not)
+    num_accepted: int = 0  # speculation: draft tokens that verification kept
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

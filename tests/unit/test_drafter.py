@@ -1,0 +1,63 @@
+"""workers.cupy.drafter: prompt lookup and Predicted Outputs drafts on small token lists."""
+from __future__ import annotations
+
+from workers.cupy.drafter import Drafter, find_matches
+
+import numpy as np
+
+
+def test_find_matches_needs_a_following_token():
+    hay = np.array([1, 2, 3, 1, 2])
+    assert find_matches(hay, np.array([1, 2])).tolist() == [0]  # the match at 3 ends the array
+    assert find_matches(np.array([5]), np.array([5])).tolist() == []
+
+
+def test_context_lookup_continues_the_most_recent_earlier_occurrence():
+    d = Drafter()
+    assert d.propose([7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2], 3) == [3, 5, 6]
+
+
+def test_longest_suffix_wins_over_a_more_recent_short_match():
+    # "1 2" last occurs before 8, but "9 1 2" only before 3
+    d = Drafter()
+    assert d.propose([9, 1, 2, 3, 4, 1, 2, 8, 9, 1, 2], 2) == [3, 4]
+
+
+def test_no_match_no_draft_and_k_zero_is_empty():
+    assert Drafter().propose([1, 2, 3, 4], 4) == []
+    assert Drafter().propose([1, 2, 1, 2], 0) == []
+
+
+def test_draft_is_cut_at_the_end_of_the_context():
+    assert Drafter().propose([4, 5, 6, 4, 5], 8) == [6, 4, 5]
+
+
+def test_prediction_starts_at_its_beginning_then_follows_the_output():
+    pred = [10, 11, 12, 13, 14, 15]
+    d = Drafter(prediction=pred, num_prompt_tokens=3)
+    assert d.propose([1, 2, 3], 3) == [10, 11, 12]
+    assert d.propose([1, 2, 3, 10, 11], 3) == [12, 13, 14]
+    # an edit (99) then back on the prediction
+    assert d.propose([1, 2, 3, 10, 11, 12, 99, 13, 14], 2) == [15]
+
+
+def test_prediction_prefers_the_copy_ahead_of_the_previous_draft():
+    pred = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9]
+    d = Drafter(prediction=pred, num_prompt_tokens=1)
+    assert d.propose([0, 1, 2, 3, 7, 1, 2, 3], 1) == [8]  # longest suffix "7 1 2 3" is unique
+    assert d.propose([0, 1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3], 1) == [9]
+    d2 = Drafter(prediction=pred, num_prompt_tokens=1)
+    d2._pred_pos = 8
+    assert d2.propose([0, 5, 2, 3], 1) == [9]  # "2 3" occurs three times: the one ahead of position 8
+
+
+def test_prediction_falls_back_to_context_lookup():
+    d = Drafter(prediction=[50, 51, 52], num_prompt_tokens=4)
+    assert d.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]
+
+
+def test_the_buffer_grows_with_the_sequence():
+    d = Drafter()
+    seq = list(range(300)) + list(range(10))
+    assert d.propose(seq[:200], 2) == []
+    assert d.propose(seq, 3) == [10, 11, 12]

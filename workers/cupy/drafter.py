@@ -1,0 +1,89 @@
+"""Draft tokens for speculative decoding, without a draft model: prompt lookup (n-gram matching) and
+OpenAI Predicted Outputs.
+
+Prompt lookup: the last n tokens of the sequence (prompt + generated) are searched for earlier in the
+sequence, longest n first; the tokens that followed the most recent earlier occurrence are the draft.
+Agents rewrite files, quote tool results and repeat identifiers, so the continuation is often already in
+the context; when nothing matches, there is no draft and the step costs what plain decoding costs.
+
+Predicted Outputs: the request's `prediction_ids` (e.g. the file being edited) is searched first. The
+output usually walks the prediction from start to end with small edits, so among the places the suffix
+matches, the first one at or after where the previous draft came from wins (a repeated line further
+back is the wrong copy); before any output, the draft is the prediction's first tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+MAX_NGRAM = 8  # longest suffix tried: long matches pick the right copy of a repeated line
+MIN_NGRAM = 2  # a one-token match proposes noise more often than not
+
+
+def find_matches(haystack: np.ndarray, suffix: np.ndarray) -> np.ndarray:
+    """Start indices i where haystack[i : i + len(suffix)] == suffix and at least one token follows."""
+    n = suffix.size
+    if haystack.size <= n:
+        return np.empty(0, np.int64)
+    windows = sliding_window_view(haystack[:-1], n)  # windows that have a following token
+    return np.flatnonzero((windows == suffix).all(axis=1))
+
+
+class Drafter:
+    """One sequence's drafter. `propose(tokens, k)` is called with the sequence's tokens so far."""
+
+    def __init__(self, prediction: list[int] | None = None, num_prompt_tokens: int = 0,
+                 max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        self.prediction = np.asarray(prediction or [], np.int64)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._buf = np.empty(256, np.int64)  # the sequence's tokens, grown in place (no per-step copy)
+        self._len = 0
+        self._pred_pos = 0  # where in the prediction the previous draft started
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens likely to follow `tokens` (empty when nothing matches)."""
+        if k <= 0:
+            return []
+        ctx = self._sync(tokens)
+        if self.prediction.size:
+            draft = self._from_prediction(ctx, k)
+            if draft:
+                return draft
+        return self._from_context(ctx, k)
+
+    def _sync(self, tokens: list[int]) -> np.ndarray:
+        n = len(tokens)
+        if n < self._len:  # never happens while a sequence only grows; rebuild rather than trust the buffer
+            self._len = 0
+        if n > self._buf.size:
+            grown = np.empty(max(n, 2 * self._buf.size), np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : n] = tokens[self._len : n]
+        self._len = n
+        return self._buf[:n]
+
+    def _from_prediction(self, ctx: np.ndarray, k: int) -> list[int]:
+        pred = self.prediction
+        generated = ctx.size - self.num_prompt_tokens
+        if generated <= 0:
+            self._pred_pos = 0
+            return pred[:k].tolist()
+        for n in range(min(self.max_ngram, generated), self.min_ngram - 1, -1):
+            starts = find_matches(pred, ctx[-n:]) + n  # where each match's continuation starts
+            if starts.size:
+                ahead = starts[starts >= self._pred_pos]
+                pos = int(ahead[0]) if ahead.size else int(starts[-1])
+                self._pred_pos = pos
+                return pred[pos : pos + k].tolist()
+        return []
+
+    def _from_context(self, ctx: np.ndarray, k: int) -> list[int]:
+        for n in range(min(self.max_ngram, ctx.size - 1), self.min_ngram - 1, -1):
+            # the suffix itself ends the sequence, so it has no following token and is never matched
+            starts = find_matches(ctx, ctx[-n:]) + n
+            if starts.size:
+                pos = int(starts[-1])
+                return ctx[pos : pos + k].tolist()
+        return []
