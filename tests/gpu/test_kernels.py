@@ -193,7 +193,8 @@ def test_gemv_prologues(k, m, mode):
     assert rel(out.get(), xref.astype(np.float64) @ w.astype(np.float64).T) < 1e-3
 
 
-def test_attention_fused_decode_equals_separate(k):
+@pytest.mark.parametrize("n_split", [1, 3, 8])
+def test_attention_fused_decode_equals_separate(k, n_split):
     """A decode step's fused attention (QK-norm, RoPE, KV write inside) matches qkv_post + attention."""
     bs, nb, b = 16, 64, 5
     lens = np.array([1, 17, 100, 513, 700], np.int32)  # context after the step, this token included
@@ -216,8 +217,12 @@ def test_attention_fused_decode_equals_separate(k):
         d_qkv, d_qn, d_kn, d_slots = cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(slots)
         if not fused:
             k.qkv_post(d_qkv, d_qn, d_kn, cp.asarray(pos), d_slots, rc, rs, EPS, NH, NKV, q, kc, vc)
+        split = dict(n_split=n_split, part=cp.full((b, 8, NH * HD + 2 * NH), np.nan, cp.float32),
+                     counter=cp.zeros(b, cp.uint32)) if fused else {}
         k.attention(None if fused else q, kc, vc, *args, bs, 512, 1 / 16, NKV, out,
-                    fused=(d_qkv, d_qn, d_kn, d_slots, rc, rs, EPS) if fused else None)
+                    fused=(d_qkv, d_qn, d_kn, d_slots, rc, rs, EPS) if fused else None, **split)
+        if fused and n_split > 1:
+            assert not split["counter"].get().any()  # the merging block reset every count
         outs.append(out.get())
         caches.append((kc.get(), vc.get()))
     assert rel(outs[1], outs[0]) < 2e-3

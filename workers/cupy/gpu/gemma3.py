@@ -18,8 +18,8 @@ import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
 from workers.cupy.gpu.cublas import Cublas
-from workers.cupy.gpu.kernels import (GEMV_ADD_NORM, GEMV_EMBED, GEMV_MAX_M, GEMV_PLAIN, Kernels,
-                                      argmax_chunks)
+from workers.cupy.gpu.kernels import (ATT_MAX_SPLIT, GEMV_ADD_NORM, GEMV_EMBED, GEMV_MAX_M, GEMV_PLAIN, Kernels,
+                                      argmax_chunks, attention_splits)
 from workers.cupy.kv_cache import KVStorage
 
 
@@ -56,6 +56,8 @@ class Workspace:
     chosen: cp.ndarray
     part_v: cp.ndarray  # argmax stage-1 winners per row
     part_i: cp.ndarray
+    att_part: cp.ndarray  # split decode attention: per token and split, unnormalised output, max, sum
+    att_count: cp.ndarray  # per token: splits finished (the last one merges and resets it to 0)
 
     @classmethod
     def allocate(cls, c: Gemma3Config, t: int, s: int, act: str) -> Workspace:
@@ -70,11 +72,13 @@ class Workspace:
             logits=cp.empty((s, c.vocab_size), cp.float32), chosen=cp.empty((s,), cp.int32),
             part_v=cp.empty((s, argmax_chunks(c.vocab_size)), cp.float32),
             part_i=cp.empty((s, argmax_chunks(c.vocab_size)), cp.int32),
+            att_part=cp.empty((t, ATT_MAX_SPLIT, nq + 2 * c.n_heads), cp.float32),
+            att_count=cp.zeros((t,), cp.uint32),
         )
 
     def view(self, t: int, s: int) -> Workspace:
         """The leading rows, for a step smaller than the buffers (still C-contiguous)."""
-        tok = ("resid", "resid2", "x", "qkv", "q", "attn", "o", "gate_up", "mlp", "down")
+        tok = ("resid", "resid2", "att_part", "att_count", "x", "qkv", "q", "attn", "o", "gate_up", "mlp", "down")
         return Workspace(**{k: getattr(self, k)[: (t if k in tok else s)] for k in self.__dataclass_fields__})
 
 
@@ -164,8 +168,10 @@ class GpuGemma3:
         if not fused:
             self.kernels.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, rcos, rsin, c.eps,
                                   c.n_heads, c.n_kv_heads, ws.q, kv.k[i], kv.v[i])
+        n_split = attention_splits(pos.shape[0]) if fused else 1
         self.kernels.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
-                               c.query_scale, c.n_kv_heads, ws.attn, fused=fuse, pdl=pdl)
+                               c.query_scale, c.n_kv_heads, ws.attn, fused=fuse, pdl=pdl, n_split=n_split,
+                               part=ws.att_part, counter=ws.att_count)
 
     def _layers_blas(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode):
         """Any step size: cuBLAS products, separate norm and gelu kernels (9 launches a layer, 8 when decoding)."""

@@ -125,14 +125,19 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 // causality inside a prefill chunk is by position alone. Grid (T, NKV); 256 threads; the GROUP query heads
 // sharing a KV head read each key once. Keys go in chunks of ATT_CHUNK: scores to shared memory, an online
 // softmax across chunks, then P.V with each warp owning a strided subset of keys and each lane 8 dims.
+// n_split > 1 (decode steps, grid z = split): the keys are divided among n_split blocks (flash-decoding), each
+// writes its unnormalised partial (acc, max, sum) to `part`, and the last block to finish a token (an atomic
+// count in `counter`, reset by that block) merges them in split order: short chains, more blocks in flight.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attention(const act_t* __restrict__ q, act_t* kc, act_t* vc,  // written too on fused decode steps
               const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ tok_row,
               const int* __restrict__ pos, int block_size, int window, float scale, int NKV,
               act_t* __restrict__ out, const float* __restrict__ qkv, const float* __restrict__ qn_w,
               const float* __restrict__ kn_w, const long long* __restrict__ slots, const float* __restrict__ rcos,
-              const float* __restrict__ rsin, float eps) {
+              const float* __restrict__ rsin, float eps, int n_split, float* __restrict__ part,
+              unsigned int* __restrict__ counter) {
   __shared__ float sc[GROUP][ATT_CHUNK];
+  __shared__ bool merge;
   __shared__ float qs[GROUP + 1][HEAD_DIM];  // fused decode: QK-norm/RoPE exchange, then the queries
   __shared__ float nsh[GROUP + 1][32];
   __shared__ int sbt[ATT_SBT];  // block-table entries: the whole context's when they fit, else one chunk's
@@ -142,14 +147,17 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p = pos[t];
-  const int start = window > 0 ? max(0, p - window + 1) : 0, end = p + 1;
+  const int ctx_start = window > 0 ? max(0, p - window + 1) : 0;
+  const int per = (p + 1 - ctx_start + n_split - 1) / n_split;  // keys per split
+  const int start = min(p + 1, ctx_start + (int)blockIdx.z * per), end = min(p + 1, start + per);
+  const bool owner = start <= p && p < end;  // the split holding this step's own key writes it
   const int* bt = block_tables + (size_t)tok_row[t] * max_blocks;
   // chunk_m holds the running max after each chunk; the softmax warps read it back (a register array
   // indexed by the warp number would go to local memory)
   if (threadIdx.x < GROUP) chunk_m[threadIdx.x] = -INFINITY;
   // stage the block-table entries of the whole context at once when they fit (a decode step's usual case),
   // so their load overlaps the prologue instead of costing a memory latency per chunk
-  const int first_block = start / block_size, n_blocks = (end - 1) / block_size - first_block + 1;
+  const int first_block = start / block_size, n_blocks = end > start ? (end - 1) / block_size - first_block + 1 : 0;
   const bool whole = n_blocks <= ATT_SBT;
   if (whole)
     for (int i = threadIdx.x; i < n_blocks; i += blockDim.x) sbt[i] = bt[first_block + i];
@@ -173,8 +181,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     __syncthreads();  // every partner read of qs is done before qs is overwritten with the results
 #pragma unroll
     for (int g = 0; g < GROUP; g++) qs[g][d] = x[g];
-    kc[slot * HEAD_DIM + d] = from_f(x[GROUP]);
-    vc[slot * HEAD_DIM + d] = from_f(v);
+    if (owner) {
+      kc[slot * HEAD_DIM + d] = from_f(x[GROUP]);
+      vc[slot * HEAD_DIM + d] = from_f(v);
+    }
     __syncthreads();  // the K/V writes and qs are visible to the whole block
   }
   float qr[GROUP][LANE_DIMS], acc[GROUP][LANE_DIMS], m[GROUP], l[GROUP];
@@ -294,13 +304,54 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 #pragma unroll
     for (int e = 0; e < LANE_DIMS; e++) red[warp][g][lane * LANE_DIMS + e] = acc[g][e];
   __syncthreads();
+  const size_t out_row = ((size_t)t * NH + kvh * GROUP) * HEAD_DIM;
+  if (n_split == 1) {
+    for (int o = threadIdx.x; o < GROUP * HEAD_DIM; o += blockDim.x) {
+      const int g = o / HEAD_DIM, d = o % HEAD_DIM;
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < ATT_WARPS; w++) s += red[w][g][d];
+      out[out_row + o] = from_f(s / l[g]);
+    }
+    return;
+  }
+  // split: this block's partial (unnormalised acc, then max and sum per head), then the last block merges
+  const int stride = GROUP * HEAD_DIM + 2 * GROUP;
+  float* mine = part + ((size_t)t * n_split + blockIdx.z) * stride;
   for (int o = threadIdx.x; o < GROUP * HEAD_DIM; o += blockDim.x) {
     const int g = o / HEAD_DIM, d = o % HEAD_DIM;
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) s += red[w][g][d];
-    out[((size_t)t * NH + kvh * GROUP + g) * HEAD_DIM + d] = from_f(s / l[g]);
+    mine[o] = s;
   }
+#pragma unroll
+  for (int g = 0; g < GROUP; g++)
+    if (threadIdx.x == g) {
+      mine[GROUP * HEAD_DIM + g] = m[g];
+      mine[GROUP * HEAD_DIM + GROUP + g] = l[g];
+    }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) merge = atomicAdd(counter + t, 1u) == (unsigned)n_split - 1;
+  __syncthreads();
+  if (!merge) return;
+  __threadfence();
+  const float* all = part + (size_t)t * n_split * stride;
+  for (int o = threadIdx.x; o < GROUP * HEAD_DIM; o += blockDim.x) {
+    const int g = o / HEAD_DIM;
+    float mx = -INFINITY;
+    for (int z = 0; z < n_split; z++) mx = fmaxf(mx, __ldcg(all + z * stride + GROUP * HEAD_DIM + g));
+    float sum = 0.f, s = 0.f;
+    for (int z = 0; z < n_split; z++) {
+      const float* pz = all + z * stride;
+      const float w = __expf(__ldcg(pz + GROUP * HEAD_DIM + g) - mx);  // 0 for an empty split (max -inf)
+      sum += __ldcg(pz + GROUP * HEAD_DIM + GROUP + g) * w;
+      s += __ldcg(pz + o) * w;
+    }
+    out[out_row + o] = from_f(s / sum);
+  }
+  if (threadIdx.x == 0) counter[t] = 0;  // ready for the next step (graph replay)
 }
 
 // out[t, f] = gelu_tanh(gu[t, f]) * gu[t, F + f]   (gate and up come from one product)

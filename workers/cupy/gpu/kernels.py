@@ -21,6 +21,12 @@ ARGMAX_CHUNK = 4096  # as in sampling.cu
 GEMV_MAX_M, GEMV_ROWS_PER_BLOCK = 8, 16  # as in gemv.cu
 GEMV_PLAIN, GEMV_ADD_NORM, GEMV_GELU, GEMV_EMBED = 0, 1, 2, 3
 MLP_F = 16  # as in gemv.cu
+ATT_MAX_SPLIT = 8
+
+
+def attention_splits(n_tokens: int) -> int:
+    """Key splits per decode token: enough blocks to fill the GPU's ~132 SMs at small batches."""
+    return max(1, min(ATT_MAX_SPLIT, 128 // max(n_tokens, 1)))
 _NULL = np.uint64(0)
 
 
@@ -89,9 +95,12 @@ class Kernels:
             q_out, k_cache, v_cache))
 
     def attention(self, q, k_cache, v_cache, block_tables, tok_row, pos, block_size: int, window: int,
-                  scale: float, n_kv: int, out, fused=None, pdl: bool = False):
+                  scale: float, n_kv: int, out, fused=None, pdl: bool = False, n_split: int = 1, part=None,
+                  counter=None):
         """fused: None, or (qkv, q_norm_w, k_norm_w, slots, rope_cos, rope_sin, eps) for a pure decode step, where
-        the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused)."""
+        the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused).
+        n_split > 1 (fused decode only): keys split over that many blocks per token, merged by the last one;
+        part (T, >= n_split, GROUP*HEAD_DIM + 2*GROUP) fp32 scratch and counter (T,) uint32, zero."""
         assert block_size >= 8, "the attention kernel stages a chunk's block-table entries for blocks >= 8 tokens"
         t = out.shape[0]
         if fused is None:
@@ -100,9 +109,11 @@ class Kernels:
             qkv, qn, kn, slots, rcos, rsin, eps = fused
             assert n_kv == 1
             extra = (qkv, qn, kn, slots, rcos, rsin, np.float32(eps))
-        self._launch("attention", (t, n_kv), (256,), (
+        assert n_split == 1 or (fused is not None and part is not None and counter is not None)
+        split = (np.int32(n_split), part if n_split > 1 else _NULL, counter if n_split > 1 else _NULL)
+        self._launch("attention", (t, n_kv, n_split), (256,), (
             q if q is not None else _NULL, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row,
-            pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra,
+            pos, np.int32(block_size), np.int32(window or 0), np.float32(scale), np.int32(n_kv), out) + extra + split,
             pdl=pdl)
 
     def gemv(self, mode: int, w, out, *, x_act=None, src=None, resid_in=None, resid_out=None, w_post=None,
