@@ -34,7 +34,10 @@ class GpuSampler(Sampler):
 
     def sample(self, logits, rows):
         chosen = getattr(self.model, "last_chosen", None)
-        if (chosen is not None and chosen.shape[0] == len(rows) and not self._masked()
+        # only for the very logits the step returned (not a subset of rows, as speculative verification
+        # passes) and not masked in place by a grammar
+        if (chosen is not None and logits is getattr(self.model, "last_logits", None)
+                and chosen.shape[0] == len(rows) and not self._masked()
                 and all((r.params.temperature <= 0 or r.params.top_k == 1) and r.logprobs is None for r in rows)):
             return chosen.get().astype(np.int64), [None] * len(rows)
         return super().sample(logits, rows)

@@ -212,8 +212,11 @@ class GpuGemma3:
         n_rows = int(batch.logits_indices.shape[0])
         if (self.graph_sizes and n_query.size and np.all(n_query == 1) and n_rows == n_query.size
                 and n_query.size <= self.graph_sizes[-1]):
-            return self._decode_graphs(kv, meta.block_size).run(batch)
-        return self.forward_eager(batch, kv)
+            logits = self._decode_graphs(kv, meta.block_size).run(batch)
+        else:
+            logits = self.forward_eager(batch, kv)
+        self.last_logits = logits  # GpuSampler trusts last_chosen only for exactly these logits
+        return logits
 
     def forward_eager(self, batch, kv: KVStorage):
         meta = batch.meta
