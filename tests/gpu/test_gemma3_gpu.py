@@ -60,13 +60,15 @@ def step(models, kvs, scheduled):
     return out
 
 
-@pytest.mark.parametrize("graph_sizes", [(1, 4, 8), (16,)])  # fused small-batch products / cuBLAS + padding
-def test_random_weights_prefill_and_graph_decode(graph_sizes):
+# fused small-batch products / cuBLAS with padding rows; fp16 and bf16 (8 bits of mantissa: looser)
+@pytest.mark.parametrize("graph_sizes,act,tol", [((1, 4, 8), "float16", 1e-2), ((16,), "float16", 1e-2),
+                                                 ((1, 4, 8), "bfloat16", 3e-2)])
+def test_random_weights_prefill_and_graph_decode(graph_sizes, act, tol):
     cfg = Gemma3Config(n_layers=6, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048, vocab_size=8192,
                        eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
     w = random_weights(cfg)
     cpu = Gemma3(cfg, w, Ops(np))
-    gpu = GpuGemma3(cfg, w, graph_sizes=graph_sizes, max_model_len=2048)
+    gpu = GpuGemma3(cfg, w, act=act, graph_sizes=graph_sizes, max_model_len=2048)
     nb = 200
     kvs = [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)]
     blocks = BlockManager(nb, BS)
@@ -76,14 +78,14 @@ def test_random_weights_prefill_and_graph_decode(graph_sizes):
     for s in seqs:
         blocks.allocate(s, len(s.token_ids))
     c, g = step([cpu, gpu], kvs, [(s, len(s.token_ids)) for s in seqs])
-    assert rel(g, c) < 1e-2
+    assert rel(g, c) < tol
     for _ in range(3):  # decode steps: 4 live rows on the 4-row graph, then 3 on the 4-row graph (padding)
         for s, nxt in zip(seqs, np.argmax(c, axis=1)):
             s.num_computed = len(s.token_ids)
             s.token_ids.append(int(nxt))
             blocks.allocate(s, 1)
         c, g = step([cpu, gpu], kvs, [(s, 1) for s in seqs])
-        assert rel(g, c) < 1e-2
+        assert rel(g, c) < tol
         assert gpu.last_chosen.get().tolist() == np.argmax(g, axis=1).tolist()
     seqs = seqs[1:]
     for s, nxt in zip(seqs, np.argmax(c[1:], axis=1)):
@@ -91,7 +93,7 @@ def test_random_weights_prefill_and_graph_decode(graph_sizes):
         s.token_ids.append(int(nxt))
         blocks.allocate(s, 1)
     c, g = step([cpu, gpu], kvs, [(s, 1) for s in seqs])
-    assert rel(g, c) < 1e-2
+    assert rel(g, c) < tol
 
 
 def model_path() -> Path | None:
