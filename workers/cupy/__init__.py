@@ -3,14 +3,18 @@
 The parts, by file:
 - device.py     picks the array module (`xp`: numpy or cupy) once at start
 - weights.py    GGUF tensors, dequantized once and cached on disk as .npy
-- ops.py        the compute primitives (rmsnorm, rope, paged attention, ...) over `xp`; GPU kernels
-                replace them in a subclass (workers/cupy/gpu/)
+- ops.py        the compute primitives (rmsnorm, rope, paged attention, lm head, ...) over `xp`
+- models.py     architecture name -> model class
 - gemma3.py     the Gemma 3 architecture; a second architecture is a second file, listed in models.py
 - kv_cache.py   paged KV: fixed-size blocks, block tables, content-addressed prefix reuse, LRU eviction
 - sequence.py   one request's state inside the engine
 - scheduler.py  continuous batching, chunked prefill under a token budget, preemption by recompute
 - batch.py      the flattened inputs of one step (token ids, positions, KV slots, block tables)
 - sampler.py    greedy / temperature / top-k / top-p / min-p with per-request seeds, logprobs
+- drafter.py    draft tokens for speculation: prompt lookup and Predicted Outputs
+- speculative.py  verify every draft of a step in one forward; accept, roll back KV and blocks
+- constrain.py  grammar-constrained decoding (llguidance masks applied before sampling)
 - engine.py     the step loop: schedule, run the model, sample, update sequences
 - backend.py    EngineBackend: the worker's Backend, the engine in a thread bridged to asyncio
+- gpu/          the CUDA half: fused kernels, cuBLAS through ctypes, decode steps as CUDA graphs
 """
