@@ -137,6 +137,14 @@ def test_batch_masks_only_constrained_rows(vocab):
     assert (logits[[0, 2]] == 0).all() and (logits[1] == MASKED).sum() > info.vocab_size // 2
 
 
+def test_a_refused_token_leaves_only_end_of_sequence(vocab):
+    info, tok, compiler = vocab
+    c = Constraints(compiler, np)
+    c.attach("e", ANY_OBJECT)
+    c.advance(["e"], [tok.token_to_id("hello")])  # not a JSON object's start
+    assert set(allowed_ids(c, "e", info.vocab_size)) == set(info.eos_token_ids)
+
+
 def test_release_frees_the_sequence(vocab):
     _, _, compiler = vocab
     c = Constraints(compiler, np)

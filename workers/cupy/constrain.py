@@ -59,7 +59,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 256):
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self._cache: collections.OrderedDict[str, llg.LLMatcher] = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -132,14 +132,19 @@ class Constraints:
         for j, i in enumerate(rows):
             m = self._matchers[request_ids[i]]
             v = bitmask[j]
-            m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+            if m.is_error():  # a refused token (a draw at the very edge of the CDF): only end-of-sequence left
+                v[:] = 0
+                for t in self.compiler.eos_token_ids:
+                    v[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            else:
+                m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
         return apply_bitmask(self.xp, logits, rows, bitmask)
 
     def advance(self, request_ids: list[str], tokens) -> None:
         for rid, token in zip(request_ids, tokens):
             m = self._matchers.get(rid)
             if m is not None:
-                m.consume_token(int(token))  # a masked step only samples allowed tokens
+                m.consume_token(int(token))  # False (error state) only for a refused token: see apply
 
     def cut_drafts(self, request_id: str, draft_ids: list[int]) -> int:
         """How many leading draft tokens the sequence's grammar allows (all of them when unconstrained).
