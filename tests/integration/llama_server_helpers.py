@@ -27,7 +27,7 @@ def llama_server_binary() -> Path:
 
 
 def make_config(tmp: Path, **overrides) -> PulseConfig:
-    ls = {"binary": str(llama_server_binary()), "slots": 2, "kv_tokens": 4096, "threads": 2,
+    ls = {"binary": str(llama_server_binary()), "slots": 2, "kv_tokens": 4096, "threads": 1,
           "log_dir": str(tmp), "headers_timeout_s": 20.0, "stop_grace_s": 3.0}
     ls.update(overrides)
     return PulseConfig.model_validate({"workers": {"backend": "llama-server", "llama_server": ls}})

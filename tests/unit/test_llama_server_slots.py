@@ -20,18 +20,22 @@ def test_common_prefix():
     assert common_prefix([], A) == 0
 
 
-def test_empty_slots_first_then_longest_prefix_then_lru():
+def test_longest_shared_prefix_else_llama_server_chooses():
     t, _ = table(3)
-    assert t.choose(A) == 0
+    assert t.choose(A) is None  # nothing cached anywhere: llama-server picks (LRU + its RAM cache)
     t.release(0, t.acquire(0, A), [7, 8])
-    assert t.choose(B) == 1  # no shared block: an empty slot, not slot 0's cache
+    assert t.choose(B) is None
     t.release(1, t.acquire(1, B), [9])
     assert t.choose(A + [1, 2]) == 0 and t.choose(B[:20]) == 1
-    assert t.choose(A[:10]) == 2  # shares less than a block with slot 0: not worth its cache
+    assert t.choose(A[:10]) is None  # shares less than a block with slot 0: not a hit
+    t.release(2, t.acquire(2, A[:32]), [])
+    assert t.choose(A) == 0  # the longest prefix wins
 
 
 def test_busy_slots_are_not_chosen():
     t, _ = table(2)
+    t.release(0, t.acquire(0, A), [])
+    t.release(1, t.acquire(1, A[:16]), [])
     t.acquire(0, A)
     assert t.choose(A) == 1
     t.acquire(1, B)

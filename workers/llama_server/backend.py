@@ -45,6 +45,7 @@ class LlamaServerBackend(Backend):
         self.profile, self.model, self.worker_id = profile, model, worker_id
         self.block_size = config.workers.engine.block_size  # the prefix-hash block the router uses
         self.block_sink = block_sink
+        self.workers_on_box = config.workers.count or 1
         self.lanes: list[Lane] = []
         self._flights: dict[str, _Flight] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -56,12 +57,15 @@ class LlamaServerBackend(Backend):
         binary = find_llama_server(self.cfg.binary)
         log_dir = Path(self.cfg.log_dir).expanduser() if self.cfg.log_dir else cache_root() / "logs"
         self.lanes = build_lanes(self.cfg, self.profile, self.model.path, binary, self.block_size,
-                                 log_dir, self.worker_id, self.block_sink)
+                                 log_dir, self.worker_id, self.block_sink, self.workers_on_box)
         for lane in self.lanes:
             lane.on_crash = self._on_crash
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.cfg.stream_idle_timeout_s)
+        # One connection per request, no keep-alive: llama-server (cpp-httplib) closes idle connections
+        # after 5 s and after 100 requests, and a POST on a connection it just closed fails with no way
+        # to retry safely; an idle kept-alive connection also holds one of its HTTP threads.
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False)
         try:
             await asyncio.gather(*(lane.process.start() for lane in self.lanes))
         except BaseException:
@@ -89,6 +93,8 @@ class LlamaServerBackend(Backend):
         started = failed = False
         try:
             flight.resp = resp = await self._open(lane, request, slot)
+            if flight.cancelled:  # cancel() came while the headers were awaited
+                raise ConnectionError("cancelled")
             while True:
                 ev = await self._next_event(resp)
                 if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which

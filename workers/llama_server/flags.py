@@ -36,7 +36,8 @@ _IS_FLAG = re.compile(r"^--?[a-zA-Z]")
 def _help_flags(binary: str, mtime_ns: int) -> frozenset[str]:
     out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     text = out.stdout + out.stderr
-    flags = frozenset(_FLAG.findall(text))
+    # --help still lists some removed spellings ("--draft-max ... the argument has been removed"): skip them.
+    flags = frozenset(f for line in text.splitlines() if "has been removed" not in line for f in _FLAG.findall(line))
     if "--port" not in flags:
         raise RuntimeError(f"{binary} --help does not look like llama-server's (no --port):\n{text[-800:]}")
     return flags
@@ -98,7 +99,10 @@ def server_argv(
     args = ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(kv_tokens)]
     # One KV pool shared by all slots: a long request may use what idle slots do not (else -c is split
     # evenly and each slot is capped at kv_tokens / slots).
-    args += ["--kv-unified"]
+    # ... and idle slots keep their KV: by default llama-server (with --cache-ram) moves every idle slot
+    # to its RAM prompt cache and clears it whenever a task starts, so a request sent to the slot that
+    # held its prefix would find it empty. llama-server still clears idle slots when the pool runs out.
+    args += ["--kv-unified", "--no-cache-idle-slots"]
     args += ["--slots", "--no-ui"]
     if threads:
         args += ["-t", str(threads)]

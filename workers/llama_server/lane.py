@@ -7,6 +7,7 @@ without, and sends each request to the lane its K asks for (K = 0: the plain lan
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from policy.profiles import DeviceProfile
@@ -37,19 +38,29 @@ class Lane:
         return self.process.ready.is_set()
 
 
+def cpu_threads(cfg, profile: DeviceProfile, workers_on_box: int, lanes: int) -> int | None:
+    """-t: as configured; on a CPU box, the cores split between the workers and lanes sharing it
+    (each llama-server would otherwise start one thread per core and they would all contend)."""
+    if cfg.threads or profile.kind != "cpu":
+        return cfg.threads
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_box * lanes))
+
+
 def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, block_size: int,
-                log_dir: Path, worker_id: str, sink) -> list[Lane]:
+                log_dir: Path, worker_id: str, sink, workers_on_box: int = 1) -> list[Lane]:
     """The plain lane, and a drafter lane when a drafter is configured (first: the default lane)."""
     supported = flags.supported_flags(binary)
     slots = cfg.slots or profile.llama_server_slots
     kv_tokens = cfg.kv_tokens or profile.kv_cache_tokens
     k = profile.max_draft_tokens if cfg.draft_max is None else cfg.draft_max
+    two = bool(cfg.draft_model) and k > 0 and cfg.plain_process
+    threads = cpu_threads(cfg, profile, workers_on_box, 2 if two else 1)
 
     def argv(draft: bool):
         def argv_for(port: int) -> list[str]:
             return flags.server_argv(
                 binary, supported, model=model_path, port=port, slots=slots, kv_tokens=kv_tokens,
-                profile_args=profile.llama_server_args, threads=cfg.threads,
+                profile_args=profile.llama_server_args, threads=threads,
                 draft_model=cfg.draft_model if draft else None, draft_max=k, extra_args=cfg.extra_args)
         return argv_for
 
