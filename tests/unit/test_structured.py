@@ -164,6 +164,19 @@ def test_drafts_are_cut_where_the_grammar_stops_allowing_them(vocab):
     assert c.cut_drafts("unconstrained", bad) == len(bad)
 
 
+def test_verify_masks_follow_the_drafts_then_roll_back(vocab):
+    info, tok, compiler = vocab
+    c = Constraints(compiler, np)
+    c.attach("v", schema_text(PERSON, "p"))
+    drafts = tok.encode('{"name": "Al"', add_special_tokens=False).ids
+    masks = c.verify_bitmasks("v", drafts + tok.encode("}", add_special_tokens=False).ids)
+    assert masks.shape[0] == len(drafts) + 1
+    for i, t in enumerate(drafts):  # each draft is allowed by the mask of its own position
+        assert (masks[i, t // 32] >> (t % 32)) & 1
+    assert (allowed_ids(c, "v", info.vocab_size) == np.flatnonzero(
+        np.unpackbits(masks[0].view(np.uint8), bitorder="little")[:info.vocab_size])).all()  # rolled back
+
+
 def test_uncompilable_schema_raises_grammar_error(vocab):
     _, _, compiler = vocab
     with pytest.raises(GrammarError):

@@ -178,6 +178,21 @@ class Constraints:
         return apply_bitmask(self.xp, logits, rows, bitmask)
 
 
+    def verify_bitmasks(self, request_id: str, draft_ids: list[int]) -> np.ndarray:
+        """For verifying drafts: the packed mask at each position (before draft 1, after draft 1, ...) for
+        the drafts the grammar allows, shape (allowed + 1, words); apply them to the verify rows'
+        logits with `apply_bitmask`. Call `cut_drafts` first; the matcher is left where it was."""
+        m = self._matchers[request_id]
+        n = allowed_prefix(m, draft_ids)
+        out = np.zeros((n + 1, (self.compiler.vocab_size + 31) // 32), np.int32)
+        for i in range(n + 1):
+            m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+            if i < n:
+                m.consume_token(draft_ids[i])
+        m.rollback(n)
+        return out
+
+
 def allowed_prefix(matcher: llg.LLMatcher, draft_ids: list[int]) -> int:
     """Number of leading `draft_ids` the matcher accepts in order, without changing its state."""
     return matcher.validate_tokens(list(draft_ids))
