@@ -11,6 +11,8 @@ The parts, by file:
 - scheduler.py  continuous batching, chunked prefill under a token budget, preemption by recompute
 - batch.py      the flattened inputs of one step (token ids, positions, KV slots, block tables)
 - sampler.py    greedy / temperature / top-k / top-p / min-p with per-request seeds, logprobs
+- drafter.py    draft tokens for speculation: prompt lookup (n-grams) and Predicted Outputs
+- speculative.py  speculation: K per step from policy.speculation, one-forward verification, rollback
 - drafter.py    draft tokens for speculation: prompt lookup and Predicted Outputs
 - speculative.py  verify every draft of a step in one forward; accept, roll back KV and blocks
 - constrain.py  grammar-constrained decoding (llguidance masks applied before sampling)
