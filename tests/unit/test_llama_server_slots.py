@@ -20,16 +20,17 @@ def test_common_prefix():
     assert common_prefix([], A) == 0
 
 
-def test_longest_shared_prefix_else_llama_server_chooses():
+def test_longest_shared_prefix_else_least_recently_used():
     t, _ = table(3)
-    assert t.choose(A) is None  # nothing cached anywhere: llama-server picks (LRU + its RAM cache)
+    assert t.choose(A) == 0
     t.release(0, t.acquire(0, A), [7, 8])
-    assert t.choose(B) is None
+    assert t.choose(B) == 1  # no shared block: an empty slot, not slot 0's cache
     t.release(1, t.acquire(1, B), [9])
     assert t.choose(A + [1, 2]) == 0 and t.choose(B[:20]) == 1
-    assert t.choose(A[:10]) is None  # shares less than a block with slot 0: not a hit
+    assert t.choose(A[:10]) == 2  # shares less than a block with slot 0: not a hit
     t.release(2, t.acquire(2, A[:32]), [])
     assert t.choose(A) == 0  # the longest prefix wins
+    assert t.choose(list(range(7000, 7100))) == 0  # a miss evicts the least recently used
 
 
 def test_busy_slots_are_not_chosen():
@@ -39,7 +40,7 @@ def test_busy_slots_are_not_chosen():
     t.acquire(0, A)
     assert t.choose(A) == 1
     t.acquire(1, B)
-    assert t.choose(A) is None
+    assert t.choose(A) is None  # all busy: llama-server queues it
 
 
 def test_block_events_added_extended_and_evicted():

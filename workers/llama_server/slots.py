@@ -2,8 +2,8 @@
 
 llama-server keeps a slot's KV after a request ends and reuses the common prefix with the next prompt
 sent to that slot (`cache_prompt`). So Pulse sends a prompt to the idle slot whose last tokens share
-the longest prefix with it, else lets llama-server choose, and tells the prefix index which blocks a
-slot now holds and which it dropped. A block two slots hold stays
+the longest prefix with it, else to the least recently used one, and tells the prefix index which
+blocks a slot now holds and which it dropped. A block two slots hold stays
 published until neither holds it (reference counts).
 """
 from __future__ import annotations
@@ -44,16 +44,17 @@ class SlotTable:
         self._refs: Counter[int] = Counter()
 
     def choose(self, prompt: list[int]) -> int | None:
-        """The idle slot sharing the longest prefix (at least one block) with `prompt`, else None.
-
-        None lets llama-server pick (`id_slot: -1`): its least-recently-used choice also saves the slot's
-        old prompt to its RAM prompt cache and restores the new prompt from there if it is cached, which
-        it skips for a slot named by id. Its events then name the slot it used."""
+        """The idle slot sharing the longest prefix (at least one block) with `prompt`, else the least
+        recently used idle slot (empty ones first); None when all are busy (llama-server then queues the
+        request, and only its final event names the slot it used)."""
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
         best, best_len = None, self.block_size - 1
-        for s in self.slots:
-            if not s.busy and (n := common_prefix(s.tokens, prompt)) > best_len:
+        for s in idle:
+            if (n := common_prefix(s.tokens, prompt)) > best_len:
                 best, best_len = s.index, n
-        return best
+        return best if best is not None else min(idle, key=lambda s: s.last_used).index
 
     def acquire(self, index: int, prompt: list[int]) -> int:
         """Slot `index` now runs `prompt`; returns the epoch to pass to `release`."""
