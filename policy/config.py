@@ -89,6 +89,10 @@ class LlamaServerConfig(PulseModel):
     threads: int | None = Field(None, ge=1, description="-t CPU threads; empty: llama-server's default.")
     draft_model: str | None = Field(None, description="GGUF of a drafter model (speculative decoding); empty: none.")
     draft_max: int | None = Field(None, ge=0, description="Draft tokens per step with a drafter; empty: profile max K.")
+    spec_type: str | None = Field(
+        None, description="--spec-type for the drafter (e.g. draft-simple for a plain small model); empty: what the "
+        "drafter's GGUF declares."
+    )
     plain_process: bool = Field(
         True, description="With a drafter, also run a process without it for requests whose K is 0 (2x the weights "
         "and KV on a GPU; see workers/llama_server/README.md)."
