@@ -10,7 +10,8 @@ from workers.protocol.model import bundled_model_path
 
 
 async def test_k_zero_goes_to_the_plain_process_and_k_above_zero_drafts(tmp_path):
-    backend = make_backend(tmp_path, draft_model=str(bundled_model_path()), draft_max=3, slots=1)
+    backend = make_backend(tmp_path, draft_model=str(bundled_model_path()), draft_max=3, slots=1,
+                           spec_type="draft-simple")
     await backend.start()
     try:
         assert [lane.name for lane in backend.lanes] == ["spec", "plain"] and len(set(backend.pids())) == 2

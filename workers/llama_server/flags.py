@@ -93,6 +93,7 @@ def server_argv(
     threads: int | None = None,
     draft_model: str | None = None,
     draft_max: int | None = None,
+    spec_type: str | None = None,
     extra_args: list[str] = (),
 ) -> list[str]:
     """The full llama-server command line. Later flags win in llama.cpp's parser, so extra_args go last."""
@@ -111,4 +112,6 @@ def server_argv(
         args += ["--spec-draft-model", draft_model]
         if draft_max is not None:
             args += ["--spec-draft-n-max", str(draft_max)]
+        if spec_type:
+            args += ["--spec-type", spec_type]
     return [str(binary), *adapt(args, supported), *extra_args]

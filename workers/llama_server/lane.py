@@ -61,7 +61,8 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
             return flags.server_argv(
                 binary, supported, model=model_path, port=port, slots=slots, kv_tokens=kv_tokens,
                 profile_args=profile.llama_server_args, threads=threads,
-                draft_model=cfg.draft_model if draft else None, draft_max=k, extra_args=cfg.extra_args)
+                draft_model=cfg.draft_model if draft else None, draft_max=k, spec_type=cfg.spec_type,
+                extra_args=cfg.extra_args)
         return argv_for
 
     def lane(name: str, draft: bool) -> Lane:
