@@ -1,0 +1,13 @@
+"""Pipeline-parallel serving: one engine's layers split across stage actors (one device each).
+
+The parts, by file:
+- build.py    the layer split (`--pipeline-stages N` or `stages: [{device, layers}]`), placing and wiring the
+              stage actors, the pipelined Engine (the engine's scheduler, KV manager, sampler, speculation,
+              grammars all stay in the driver: the worker actor)
+- runner.py   PipelinedModel: the engine's model interface over the stages; micro-batches; PipelineStats
+- stage.py    StageActor: a Ray actor owning a range of layers and their KV, serving a socket loop
+- wire.py     the activation transport: length-prefixed msgpack header + raw arrays over TCP
+- layers.py   the NumPy layer range and the driver's ends (embeddings, final norm, tied head)
+- gpu.py      the same on a GPU, from the single-stage GPU model's kernels
+docs/PIPELINE.md has the design, the measured per-token transfer cost, and the Thor + desktop plan.
+"""

@@ -1,0 +1,127 @@
+"""Building a pipelined engine: split the layers, place and wire the stage actors, build the driver's ends.
+
+Placement decides the transport: every hop is a direct TCP socket (loopback when all stages share the
+driver's host, the network otherwise); the name goes into the pipeline stats. Ray only places the actors.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage, as even as possible, earlier stages taking the remainder."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if i < extra else 0) for i in range(n_stages)]
+
+
+def stage_plan(n_layers: int, stages: list, count: int, device: str) -> list[tuple[str, int, int]]:
+    """(device, first layer, end) per stage, from `stages` (each with device and layers, a count or None
+    for an even share of what is left) or else `count` even stages on `device`."""
+    if not stages:
+        sizes = split_layers(n_layers, count)
+        devices = [device] * count
+    else:
+        fixed = sum(s.layers or 0 for s in stages)
+        free = [i for i, s in enumerate(stages) if not s.layers]
+        share = split_layers(n_layers - fixed, len(free)) if free else []
+        sizes = [s.layers or share[free.index(i)] for i, s in enumerate(stages)]
+        devices = [s.device for s in stages]
+    if sum(sizes) != n_layers:
+        raise ValueError(f"pipeline stages hold {sum(sizes)} layers; the model has {n_layers}")
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return [(d, lo, hi) for d, lo, hi in zip(devices, bounds, bounds[1:])]
+
+
+def start_stages(plan, model_path, cache_dir, *, bind_host="127.0.0.1", act="float16", max_model_len=8192,
+                 cpu_threads=1, resources=None):
+    """The stage actors, created and loaded (blocks until every stage holds its weights)."""
+    import ray
+
+    from workers.pipeline.stage import StageActor
+
+    per_device: dict[str, int] = {}
+    for dev, _, _ in plan:
+        per_device[dev] = per_device.get(dev, 0) + 1
+    actors = []
+    for i, (dev, lo, hi) in enumerate(plan):
+        # stages that share a GPU share it evenly; on a CPU box they take no CPU reservation (the driver
+        # and the gateway already hold the box's cores, and Ray would otherwise refuse to place them)
+        gpus = 0.0 if dev == "cpu" else 0.99 / per_device[dev]
+        cls = ray.remote(StageActor).options(num_cpus=0, num_gpus=gpus, resources=dict(resources or {}))
+        actors.append(cls.remote(model_path, cache_dir, lo, hi, "cpu" if dev == "cpu" else "cuda",
+                                 i == len(plan) - 1, bind_host, act, max_model_len, cpu_threads))
+    addresses = ray.get([a.address.remote() for a in actors])
+    return actors, addresses
+
+
+def transport_name(addresses, driver_host: str) -> str:
+    hosts = {h for h, _ in addresses} | {driver_host}
+    return "tcp-loopback" if hosts <= {"127.0.0.1", "localhost"} or len(hosts) == 1 else "tcp"
+
+
+def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
+                            cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
+                            max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
+                            cpu_threads=1, resources=None, seed=None):
+    """An Engine whose model is a PipelinedModel over stage actors; (engine, actors)."""
+    import ray
+
+    from workers.cupy.engine import Engine
+    from workers.cupy.gemma3 import Gemma3Config
+    from workers.cupy.kv_cache import BlockManager
+    from workers.cupy.sampler import Sampler
+    from workers.cupy.scheduler import Scheduler
+    from workers.pipeline.runner import PipelinedModel
+
+    cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
+    actors, addresses = start_stages(stages_plan, model_path, cache_dir, bind_host=bind_host,
+                                     max_model_len=context_length, cpu_threads=cpu_threads, resources=resources)
+    if device == "cpu":
+        from workers.pipeline.layers import NumpyEnds
+
+        ends = NumpyEnds(cfg, weights)
+    else:
+        from workers.pipeline.gpu import GpuEnds
+
+        ends = GpuEnds(cfg, weights)
+    model = PipelinedModel(ends, addresses[0], len(actors), transport_name(addresses, bind_host),
+                           micro_batches or len(actors), bind_host)
+    nexts = addresses[1:] + [model.address]
+    ray.get([a.connect.remote(*nxt) for a, nxt in zip(actors, nexts)])
+    model.connect()
+    log.info("pipeline: %d stages %s over %s", len(actors), stages_plan, model.stats.transport)
+    kv = model.kv_storage(num_blocks, block_size)
+    blocks = BlockManager(num_blocks, block_size, block_sink)
+    scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
+    if device == "cpu":
+        sampler = Sampler(np_module())
+    else:
+        from workers.cupy.gpu import GpuSampler
+
+        sampler = GpuSampler(model)
+    engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
+    if device != "cpu":
+        sampler.engine = engine
+    engine.pipeline_actors = actors  # kept alive with the engine; close() via close_pipeline
+    return engine, actors
+
+
+def np_module():
+    import numpy
+
+    return numpy
+
+
+def close_pipeline(engine) -> None:
+    import ray
+
+    model = engine.model
+    model.close()
+    for a in getattr(engine, "pipeline_actors", []):
+        ray.kill(a)

@@ -1,0 +1,151 @@
+"""The driver's side of the pipeline: a model object with the engine's model interface (`xp`,
+`kv_storage`, `forward(batch, kv)`) whose layers run in stage actors.
+
+The engine (scheduler, block manager with prefix reuse, sampler, speculation, grammars) stays in the
+driver unchanged: a step's batch is cut into micro-batches by sequence, each micro-batch's embeddings go
+into the first stage, and while stage 2 runs micro-batch 1, stage 1 already runs micro-batch 2. The last
+stage returns only the rows whose logits are wanted; the head runs once for the whole step. Gemma ties
+its head to the embedding table, so the driver holds the one copy both ends use and logits never cross
+a link: each hop carries the residual stream (hidden x 4 bytes a token) and the step's metadata.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from workers.cupy.batch import StepBatch
+from workers.pipeline import wire
+from workers.pipeline.stage import META
+
+
+@dataclass
+class PipelineStats:
+    """Cumulative; `transfer_s` is the time spent moving activations (send + receive at every hop, the
+    driver's included), so transfer_s / tokens is the per-token transfer cost the docs' link plan uses."""
+
+    transport: str = ""
+    stages: int = 0
+    micro_batches: int = 0
+    steps: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    transfer_s: float = 0.0
+    stage_compute_s: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        t = max(self.tokens, 1)
+        return {**self.__dict__, "bytes_per_token": self.bytes / t, "transfer_us_per_token": 1e6 * self.transfer_s / t}
+
+
+class PipelineKV:
+    """What the engine holds as its KV storage: the K/V arrays live in the stages, one slice per stage."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+
+def split_batch(batch: StepBatch, parts: int) -> list[tuple[np.ndarray, dict]]:
+    """Contiguous groups of sequences with about equal token counts: (token ids, the stage arrays)."""
+    meta, qs = batch.meta, batch.meta.query_start
+    n_seq = qs.size - 1
+    parts = max(1, min(parts, n_seq))
+    # cut where the cumulative token count crosses each 1/parts of the total
+    cuts = np.searchsorted(qs[1:], [qs[-1] * p / parts for p in range(1, parts)], side="left") + 1
+    bounds = sorted({0, n_seq, *[int(c) for c in cuts if 0 < c < n_seq]})
+    li = np.asarray(batch.logits_indices)
+    out = []
+    for b0, b1 in zip(bounds, bounds[1:]):
+        r0, r1 = int(qs[b0]), int(qs[b1])
+        rows = li[(li >= r0) & (li < r1)] - r0
+        out.append((np.asarray(batch.token_ids)[r0:r1], {
+            "positions": np.asarray(batch.positions)[r0:r1], "slot_mapping": np.asarray(batch.slot_mapping)[r0:r1],
+            "logits_indices": rows.astype(np.int64), "query_start": (qs[b0 : b1 + 1] - r0).astype(np.int32),
+            "seq_lens": meta.seq_lens[b0:b1], "block_tables": meta.block_tables[b0:b1],
+        }))
+    return out
+
+
+class PipelinedModel:
+    xp = np  # step inputs are built on the host; they travel to the stages from there
+
+    def __init__(self, ends, first: tuple[str, int], n_stages: int, transport: str, micro_batches: int,
+                 bind_host: str = "127.0.0.1"):
+        self.ends, self.micro_batches = ends, micro_batches
+        self.stats = PipelineStats(transport=transport, stages=n_stages, micro_batches=micro_batches,
+                                   stage_compute_s=[0.0] * n_stages)
+        self._server = wire.listener(bind_host)
+        self._first = first
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.up = self.down = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.getsockname()
+
+    def connect(self) -> None:
+        """After the last stage was told to connect to `address`: open the ring."""
+        self.up = wire.connect(*self._first)
+        self.down, _ = self._server.accept()
+        wire.tune(self.down)
+        # sends run in their own thread, so a step's later micro-batches never wait behind a full socket
+        # while the driver is not yet reading the first one's result
+        threading.Thread(target=self._send_loop, name="pipeline-send", daemon=True).start()
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            header, arrays = item
+            t0 = time.perf_counter()
+            self.stats.bytes += wire.send(self.up, header, arrays)
+            self.stats.transfer_s += time.perf_counter() - t0
+
+    # --- the engine's model interface --------------------------------------------------------------
+    @property
+    def last_logits(self):  # GpuSampler: the argmax the head kernel took belongs to these logits
+        return getattr(self.ends, "last_logits", None)
+
+    @property
+    def last_chosen(self):
+        return getattr(self.ends, "last_chosen", None)
+
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None) -> PipelineKV:
+        self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size}, {}))
+        self._receive()
+        return PipelineKV(num_blocks, block_size)
+
+    def forward(self, batch: StepBatch, kv: PipelineKV):
+        parts = split_batch(batch, self.micro_batches)
+        for mb, (tokens, arrays) in enumerate(parts):
+            x = self.ends.embed_tokens(tokens)
+            self._outbox.put(({"kind": "run", "mb": mb, "block_size": kv.block_size}, {**arrays, "x": x}))
+        rows = [self._receive()["x"] for _ in parts]
+        self.stats.steps += 1
+        self.stats.tokens += batch.num_tokens
+        return self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+
+    def _receive(self) -> dict:
+        header, arrays, n, recv_s = wire.recv(self.down)
+        self.stats.bytes += n
+        if header["kind"] == "error":
+            raise RuntimeError(header["message"])
+        for i, s in enumerate(header.get("compute_s", [])):
+            self.stats.stage_compute_s[i] += s
+        self.stats.transfer_s += header.get("hop_s", 0.0) + recv_s
+        return arrays
+
+    def close(self) -> None:
+        self._outbox.put(({"kind": "stop"}, {}))
+        try:
+            wire.recv(self.down)
+        except (ConnectionError, OSError):
+            pass
+        self._outbox.put(None)
+        for s in (self.up, self.down, self._server):
+            if s is not None:
+                s.close()

@@ -1,0 +1,108 @@
+"""A stage actor: one device, a contiguous range of layers and their KV, a loop that reads activations
+from the previous hop's socket, runs its layers and writes the result to the next hop.
+
+Ray creates it (placement: `num_gpus`, custom resources) and tells it where to connect; after that the
+actor's own thread serves the socket and Ray is out of the per-token path. Messages:
+- "alloc": allocate KV for these layers (block count and size from the driver's block manager); forwarded.
+- "run": one micro-batch (positions, KV slots, attention metadata, the residual stream); the output goes
+  on with the same metadata, or, from the last stage, only the rows whose logits the driver wants.
+- "stop": forwarded, then the loop ends. A failure becomes an "error" message the driver raises.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from workers.pipeline import wire
+
+log = logging.getLogger(__name__)
+META = ("positions", "slot_mapping", "logits_indices", "query_start", "seq_lens", "block_tables")
+
+
+def build_layers(model_path: str | None, cache_dir: str | None, lo: int, hi: int, device: str, act: str,
+                 max_model_len: int):
+    from workers.cupy.gemma3 import Gemma3Config
+    from workers.cupy.weights import load_weights
+    from workers.protocol.model import load_model_info
+
+    info = load_model_info(model_path)
+    if info.architecture != "gemma3":
+        raise ValueError(f"pipeline stages run gemma3 only (got {info.architecture!r})")
+    cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
+    weights = load_weights(info.path, cache_dir)
+    if device == "cpu":
+        from workers.pipeline.layers import NumpyLayers
+
+        return NumpyLayers(cfg, weights, lo, hi)
+    from workers.pipeline.gpu import GpuLayers
+
+    return GpuLayers(cfg, weights, lo, hi, act=act, max_model_len=max_model_len)
+
+
+class StageActor:
+    """Wrapped with ray.remote by workers/pipeline/runner.py. `last`: send only the logits rows back."""
+
+    def __init__(self, model_path: str | None, cache_dir: str | None, lo: int, hi: int, device: str,
+                 last: bool, bind_host: str = "127.0.0.1", act: str = "float16", max_model_len: int = 8192,
+                 cpu_threads: int | None = 1):
+        if device == "cpu" and cpu_threads:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(cpu_threads)  # as the single-stage NumPy engine: no BLAS spin-waiting
+        self.lo, self.hi, self.last, self.device = lo, hi, last, device
+        self.layers = build_layers(model_path, cache_dir, lo, hi, device, act, max_model_len)
+        self.server = wire.listener(bind_host)
+        self.host = bind_host if bind_host != "0.0.0.0" else _node_ip()
+        self._thread: threading.Thread | None = None
+        self._send_s = 0.0
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.server.getsockname()[1]
+
+    def connect(self, host: str, port: int) -> bool:
+        """Connect to the next hop and start serving the previous one (which connects to `address()`)."""
+        self.down = wire.connect(host, port)
+        self._thread = threading.Thread(target=self._serve, name=f"stage-{self.lo}-{self.hi}", daemon=True)
+        self._thread.start()
+        return True
+
+    def _serve(self) -> None:
+        up, _ = self.server.accept()
+        wire.tune(up)
+        while True:
+            try:
+                header, arrays, _, recv_s = wire.recv(up)
+            except ConnectionError:
+                return
+            t0 = time.perf_counter()
+            kind = header["kind"]
+            try:
+                if kind == "run":
+                    arrays = self._run(header, arrays)
+                elif kind == "alloc":
+                    self.layers.alloc_kv(header["num_blocks"], header["block_size"])
+            except Exception as exc:  # the driver raises it; the stage keeps serving
+                log.exception("stage %d-%d failed", self.lo, self.hi)
+                header = {"kind": "error", "mb": header.get("mb"), "message": f"stage {self.lo}-{self.hi}: {exc}"}
+                arrays = {}
+            if kind == "run" or header["kind"] == "error":
+                header.setdefault("compute_s", []).append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays)
+            # this hop's send time rides on the next message (the one just sent cannot carry its own)
+            self._send_s = time.perf_counter() - t1
+            if kind == "stop":
+                return
+
+    def _run(self, header: dict, a: dict) -> dict:
+        from workers.pipeline.layers import stage_batch
+
+        x = self.layers.run(a["x"], stage_batch(a, header["block_size"]), self.last)
+        return {"x": x} if self.last else {**{k: a[k] for k in META}, "x": x}
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
