@@ -13,7 +13,6 @@ from functools import cache
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -26,14 +25,15 @@ CRD_SCHEMAS = {
     ("ray.io/v1", "RayService"): ROOT / "helm" / "schemas" / "rayservice.ray.io-v1.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ROOT / "helm" / "schemas" / "servicemonitor.monitoring.coreos.com-v1.yaml",
 }
-# The chart's kubeVersion floor, and the newest schemas kubernetes-validate ships.
-K8S_VERSIONS = ["1.27", kubernetes_validate.latest_version()]
+K8S_FLOOR = "1.27"  # the chart's kubeVersion floor
 VALUE_SETS = [None, *EXAMPLES]
 IDS = ["default", *(p.stem for p in EXAMPLES)]
 
 
 @pytest.fixture(scope="session")
 def helm() -> str:
+    """helm's path, after helm/tools/install.sh (which also installs kubernetes-validate, hence the
+    imports of it inside functions: this module must collect on a machine where it is not there yet)."""
     out = subprocess.run(["bash", str(ROOT / "helm" / "tools" / "install.sh")], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr
@@ -80,11 +80,13 @@ def crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator
 
 def validate(obj: dict) -> None:
     """Raise when `obj` does not fit its schema (every Kubernetes version we support, for core kinds)."""
+    import kubernetes_validate
+
     key = (obj["apiVersion"], obj["kind"])
     if key in CRD_SCHEMAS:
         crd_validator(*key).validate(obj)
         return
-    for version in K8S_VERSIONS:
+    for version in (K8S_FLOOR, kubernetes_validate.latest_version()):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -134,6 +136,8 @@ def test_each_object_switches_off(helm):
 
 def test_validators_reject_bad_objects(helm):
     """The schema checks above can fail: a wrong type, an unknown field, a missing field."""
+    import kubernetes_validate
+
     kinds = by_kind(render(helm))
     rs = copy.deepcopy(kinds["RayService"][0])
     rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
