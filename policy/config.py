@@ -52,6 +52,13 @@ class LoadTestConfig(PulseModel):
     slots: int = Field(4096, ge=1, description="Concurrent streams the backend accepts.")
 
 
+class StageConfig(PulseModel):
+    """One pipeline stage (workers/pipeline): a stage actor on one device running a contiguous layer range."""
+
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where this stage's layers and their KV live.")
+    layers: int | None = Field(None, ge=1, description="Layers this stage runs, in order; empty: an even share of the rest.")
+
+
 class EngineConfig(PulseModel):
     """Pulse's own engine (CuPy on a GPU, NumPy on a CPU)."""
 
@@ -69,6 +76,17 @@ class EngineConfig(PulseModel):
     cpu_threads: int | None = Field(
         1, ge=1, description="BLAS threads of the NumPy (CPU) path; empty: the BLAS default. One thread avoids "
         "OpenBLAS spin-waiting against the gateway and Ray on small boxes."
+    )
+    pipeline_stages: int = Field(
+        1, ge=1, description="Split the model's layers evenly across this many stage actors on the engine's device "
+        "(pipeline parallelism; 1: no pipeline). Ignored when `stages` is set."
+    )
+    stages: list[StageConfig] = Field(
+        default_factory=list, description="Pipeline stages in layer order, each with its device and layer count; "
+        "overrides pipeline_stages."
+    )
+    micro_batches: int | None = Field(
+        None, ge=1, description="Micro-batches a pipelined step is cut into; empty: one per stage."
     )
 
 

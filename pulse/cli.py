@@ -22,6 +22,7 @@ SERVE_FLAGS = {
     "device_profile": ("workers", "device_profile"),
     "gateway_replicas": ("server", "gateway_replicas"),
     "ray_address": ("server", "ray_address"),
+    "pipeline_stages": ("workers", "engine", "pipeline_stages"),
 }
 
 
@@ -49,6 +50,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device-profile", dest="device_profile", help="device profile name (default: detected)")
     p.add_argument("--gateway-replicas", dest="gateway_replicas", type=int, help="gateway ingress replicas")
     p.add_argument("--ray-address", dest="ray_address", help="join this Ray cluster ('auto': the running one)")
+    p.add_argument("--pipeline-stages", dest="pipeline_stages", type=int,
+                   help="split each engine's layers across N stage actors (pipeline parallelism)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,9 @@ def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> t
 
     n = worker_count(config, gpus)
     per_worker_gpu = 1 if gpus >= n and gpus > 0 else 0
+    engine = config.workers.engine
+    if per_worker_gpu and config.workers.backend == "cupy" and (engine.pipeline_stages > 1 or engine.stages):
+        per_worker_gpu = 0.01  # the driver keeps embeddings + head; its stage actors reserve the GPUs (workers/pipeline)
     bind = "127.0.0.1" if config.server.ray_address is None else "0.0.0.0"
     cls = ray.remote(WorkerActor)
     names = [f"pulse-worker-{i}" for i in range(n)]

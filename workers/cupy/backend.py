@@ -79,7 +79,14 @@ class EngineBackend(Backend):
         weights = load_weights(self._info.path, self._engine_cfg.cache_dir)
         sizes = self._sizes()
         log.info("engine on %s: %s", self.device, sizes)
-        if xp is np:
+        if self._engine_cfg.pipeline_stages > 1 or self._engine_cfg.stages:  # layers in stage actors
+            from workers.pipeline.build import build_for_backend
+
+            if xp is np:
+                _limit_blas_threads(self._engine_cfg.cpu_threads)
+            engine = build_for_backend(self._info, weights, self._engine_cfg, xp, sizes, self._block_sink,
+                                       self._config.server.ray_address is not None)
+        elif xp is np:
             _limit_blas_threads(self._engine_cfg.cpu_threads)
             engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, **sizes)
         else:  # the GPU engine: fused kernels, cuBLAS in graphs, decode as CUDA graphs (workers/cupy/gpu)
@@ -100,6 +107,10 @@ class EngineBackend(Backend):
         if thread is not None:
             self._inbox.put((_STOP, None))
             await asyncio.to_thread(thread.join)
+        if getattr(self._engine, "pipeline_actors", None):
+            from workers.pipeline.build import close_pipeline
+
+            await asyncio.to_thread(close_pipeline, self._engine)
         for q in list(self._streams.values()):
             q.put_nowait(BackendError("the engine was closed", 503))
         self._engine = None
@@ -126,6 +137,11 @@ class EngineBackend(Backend):
             kv_blocks_used=eng.blocks.num_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
             prefill_tokens_per_s=prefill, preemptions=eng.scheduler.preemptions, healthy=self._healthy,
         )
+
+    def pipeline_stats(self) -> dict | None:
+        """The pipeline's transport, bytes and transfer time per token (workers/pipeline); None without one."""
+        stats = getattr(getattr(self._engine, "model", None), "stats", None)
+        return stats.as_dict() if hasattr(stats, "as_dict") else None
 
     # --- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -45,19 +47,27 @@ def start_stages(plan, model_path, cache_dir, *, bind_host="127.0.0.1", act="flo
 
     from workers.pipeline.stage import StageActor
 
-    per_device: dict[str, int] = {}
-    for dev, _, _ in plan:
-        per_device[dev] = per_device.get(dev, 0) + 1
+    n_gpu_stages = sum(dev != "cpu" for dev, _, _ in plan)
+    share = gpu_share(n_gpu_stages, ray.cluster_resources().get("GPU", 0.0))
     actors = []
     for i, (dev, lo, hi) in enumerate(plan):
-        # stages that share a GPU share it evenly; on a CPU box they take no CPU reservation (the driver
-        # and the gateway already hold the box's cores, and Ray would otherwise refuse to place them)
-        gpus = 0.0 if dev == "cpu" else 0.99 / per_device[dev]
+        # on a CPU box stages take no CPU reservation (the driver and the gateway already hold the box's
+        # cores, and Ray would otherwise refuse to place them)
+        gpus = 0.0 if dev == "cpu" else share
         cls = ray.remote(StageActor).options(num_cpus=0, num_gpus=gpus, resources=dict(resources or {}))
         actors.append(cls.remote(model_path, cache_dir, lo, hi, "cpu" if dev == "cpu" else "cuda",
                                  i == len(plan) - 1, bind_host, act, max_model_len, cpu_threads))
     addresses = ray.get([a.address.remote() for a in actors])
     return actors, addresses
+
+
+def gpu_share(n_gpu_stages: int, cluster_gpus: float) -> float:
+    """Ray GPU reservation per GPU stage: nearly a whole GPU each when there are enough GPUs (0.99 cannot
+    be packed two to a GPU, so Ray spreads the stages; the driver's 0.01 for its embeddings and head fits
+    beside one), else an even share of one GPU."""
+    if n_gpu_stages == 0:
+        return 0.0
+    return 0.99 if cluster_gpus >= n_gpu_stages else round(0.99 / n_gpu_stages, 4)
 
 
 def transport_name(addresses, driver_host: str) -> str:
@@ -92,7 +102,8 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
         ends = GpuEnds(cfg, weights)
     model = PipelinedModel(ends, addresses[0], len(actors), transport_name(addresses, bind_host),
                            micro_batches or len(actors), bind_host)
-    nexts = addresses[1:] + [model.address]
+    driver_host = bind_host if bind_host != "0.0.0.0" else ray.util.get_node_ip_address()
+    nexts = addresses[1:] + [(driver_host, model.address[1])]
     ray.get([a.connect.remote(*nxt) for a, nxt in zip(actors, nexts)])
     model.connect()
     log.info("pipeline: %d stages %s over %s", len(actors), stages_plan, model.stats.transport)
@@ -100,7 +111,7 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     blocks = BlockManager(num_blocks, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":
-        sampler = Sampler(np_module())
+        sampler = Sampler(np)
     else:
         from workers.cupy.gpu import GpuSampler
 
@@ -112,12 +123,6 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     return engine, actors
 
 
-def np_module():
-    import numpy
-
-    return numpy
-
-
 def close_pipeline(engine) -> None:
     import ray
 
@@ -125,3 +130,15 @@ def close_pipeline(engine) -> None:
     model.close()
     for a in getattr(engine, "pipeline_actors", []):
         ray.kill(a)
+
+
+def build_for_backend(info, weights, engine_cfg, xp, sizes: dict, block_sink, multi_host: bool):
+    """EngineBackend's hook: the pipelined engine its config asks for (`pipeline_stages` or `stages`)."""
+    device = "cpu" if xp is np else "cuda"
+    plan = stage_plan(info.hparams[f"{info.architecture}.block_count"], engine_cfg.stages,
+                      engine_cfg.pipeline_stages, device)
+    engine, _ = create_pipelined_engine(
+        info, weights, stages_plan=plan, device=device, micro_batches=engine_cfg.micro_batches,
+        model_path=str(info.path), cache_dir=engine_cfg.cache_dir, block_sink=block_sink,
+        bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads, **sizes)
+    return engine
