@@ -230,6 +230,11 @@ def test_values_schema_rejects_bad_values(helm, bad, where):
     assert "schema" in out.stderr and where in out.stderr, out.stderr
 
 
+def test_replica_bounds_are_checked(helm):
+    out = run_helm(helm, "template", "pulse", str(CHART), "--set", "rayService.workerGroups.cuda.replicas=3")
+    assert out.returncode != 0 and "minReplicas <= replicas <= maxReplicas" in out.stderr, out.stderr
+
+
 def test_values_schema_matches_pulse_config():
     out = subprocess.run(["python", str(ROOT / "helm" / "tools" / "values_schema.py"), "--check"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
