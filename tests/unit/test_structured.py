@@ -177,6 +177,21 @@ def test_verify_masks_follow_the_drafts_then_roll_back(vocab):
         np.unpackbits(masks[0].view(np.uint8), bitorder="little")[:info.vocab_size])).all()  # rolled back
 
 
+def test_verification_rows_are_masked_per_draft_position(vocab):
+    info, tok, compiler = vocab
+    c = Constraints(compiler, np)
+    c.attach("v", schema_text(PERSON, "p"))
+    draft = tok.encode('{"name"', add_special_tokens=False).ids
+    ids = ["free"] * 3 + ["v"] * (len(draft) + 1)
+    logits = np.zeros((len(ids), info.vocab_size), np.float32)
+    c.apply_drafts(logits, ids, {"free": [5, 6], "v": draft})
+    assert (logits[:3] == 0).all()  # a sequence without a grammar keeps every row open
+    masks = c.verify_bitmasks("v", draft)
+    for r in range(len(draft) + 1):
+        want = np.unpackbits(masks[r].view(np.uint8), bitorder="little")[:info.vocab_size].astype(bool)
+        assert ((logits[3 + r] == 0) == want).all()
+
+
 def test_uncompilable_schema_raises_grammar_error(vocab):
     _, _, compiler = vocab
     with pytest.raises(GrammarError):

@@ -130,15 +130,34 @@ class Constraints:
             return logits
         bitmask = np.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, np.int32)
         for j, i in enumerate(rows):
-            m = self._matchers[request_ids[i]]
-            v = bitmask[j]
-            if m.is_error():  # a refused token (a draw at the very edge of the CDF): only end-of-sequence left
-                v[:] = 0
-                for t in self.compiler.eos_token_ids:
-                    v[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-            else:
-                m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+            self._fill(self._matchers[request_ids[i]], bitmask[j])
         return apply_bitmask(self.xp, logits, rows, bitmask)
+
+    def apply_drafts(self, logits, request_ids: list[str], drafts: dict[str, list[int]]):
+        """Speculation's verification rows: a sequence with an m-token draft has m + 1 consecutive rows
+        (its id repeated in `request_ids`); row i of a constrained one is masked as the grammar stands
+        after the draft's first i tokens, so acceptance and the correction token both obey it."""
+        rows, masks, i = [], [], 0
+        while i < len(request_ids):
+            rid = request_ids[i]
+            width = len(drafts[rid]) + 1
+            if rid in self._matchers:
+                m = self.verify_bitmasks(rid, drafts[rid])
+                if len(m) < width:  # rows after a refused draft are never used (it is rejected): leave them open
+                    m = np.concatenate([m, np.full((width - len(m), m.shape[1]), -1, np.int32)])
+                rows += range(i, i + width)
+                masks.append(m)
+            i += width
+        return apply_bitmask(self.xp, logits, rows, np.concatenate(masks)) if rows else logits
+
+    def _fill(self, m: llg.LLMatcher, v: np.ndarray) -> None:
+        """Write `m`'s mask into the packed row `v`."""
+        if m.is_error():  # a refused token (a draw at the very edge of the CDF): only end-of-sequence left
+            v[:] = 0
+            for t in self.compiler.eos_token_ids:
+                v[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        else:
+            m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
 
     def advance(self, request_ids: list[str], tokens) -> None:
         for rid, token in zip(request_ids, tokens):
@@ -186,7 +205,7 @@ class Constraints:
         n = allowed_prefix(m, draft_ids)
         out = np.zeros((n + 1, (self.compiler.vocab_size + 31) // 32), np.int32)
         for i in range(n + 1):
-            m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+            self._fill(m, out[i])
             if i < n:
                 m.consume_token(draft_ids[i])
         m.rollback(n)
