@@ -157,7 +157,7 @@ def test_pulse_config_is_valid_and_carries_the_worker_layout(helm):
     for values, device, count in [(None, "cuda", 1), *((p, p.stem.split("-")[1], None) for p in EXAMPLES)]:
         kinds = by_kind(render(helm, values))
         cfg = PulseConfig.model_validate(yaml.safe_load(kinds["ConfigMap"][0]["data"]["pulse.yaml"]))
-        assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
+        assert (cfg.server.host, cfg.server.port, cfg.server.ray_address) == ("0.0.0.0", 8000, "auto")
         assert cfg.workers.resources == {device: 1} and cfg.workers.device_profile == device
         group = kinds["RayService"][0]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
         assert group["groupName"] == device and cfg.workers.count == group["replicas"]

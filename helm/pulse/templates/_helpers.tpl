@@ -65,6 +65,8 @@ Pulse's config as the pods read it: the user's pulse.config, plus what the chart
 {{- $server := get $cfg "server" | default dict -}}
 {{- $_ := set $server "host" "0.0.0.0" -}}
 {{- $_ := set $server "port" (int .Values.gateway.port) -}}
+{{- /* Pulse joins KubeRay's cluster; with ray_address set, workers listen on the pod network, not loopback. */ -}}
+{{- if not (hasKey $server "ray_address") -}}{{- $_ := set $server "ray_address" "auto" -}}{{- end -}}
 {{- $_ := set $cfg "server" $server -}}
 {{- $groups := include "pulse.enabledGroups" . | fromJson -}}
 {{- $workers := get $cfg "workers" | default dict -}}
