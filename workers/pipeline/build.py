@@ -41,24 +41,22 @@ def stage_plan(n_layers: int, stages: list, count: int, device: str) -> list[tup
 
 
 def start_stages(plan, model_path, cache_dir, *, bind_host="127.0.0.1", act="float16", max_model_len=8192,
-                 cpu_threads=1, resources=None):
-    """The stage actors, created and loaded (blocks until every stage holds its weights)."""
-    import ray
+                 cpu_threads=1, resources=None, launcher="ray"):
+    """The stage actors, created and loaded (returns once every stage holds its weights and listens)."""
+    from workers.pipeline.launch import ProcessStages, RayStages
 
-    from workers.pipeline.stage import StageActor
+    specs = [dict(model_path=model_path, cache_dir=cache_dir, lo=lo, hi=hi, device="cpu" if dev == "cpu" else "cuda",
+                  last=i == len(plan) - 1, bind_host=bind_host, act=act, max_model_len=max_model_len,
+                  cpu_threads=cpu_threads) for i, (dev, lo, hi) in enumerate(plan)]
+    if launcher == "process":
+        return ProcessStages(specs)
+    import ray
 
     n_gpu_stages = sum(dev != "cpu" for dev, _, _ in plan)
     share = gpu_share(n_gpu_stages, ray.cluster_resources().get("GPU", 0.0))
-    actors = []
-    for i, (dev, lo, hi) in enumerate(plan):
-        # on a CPU box stages take no CPU reservation (the driver and the gateway already hold the box's
-        # cores, and Ray would otherwise refuse to place them)
-        gpus = 0.0 if dev == "cpu" else share
-        cls = ray.remote(StageActor).options(num_cpus=0, num_gpus=gpus, resources=dict(resources or {}))
-        actors.append(cls.remote(model_path, cache_dir, lo, hi, "cpu" if dev == "cpu" else "cuda",
-                                 i == len(plan) - 1, bind_host, act, max_model_len, cpu_threads))
-    addresses = ray.get([a.address.remote() for a in actors])
-    return actors, addresses
+    # on a CPU box stages take no CPU reservation (the driver and the gateway already hold the box's cores,
+    # and Ray would otherwise refuse to place them)
+    return RayStages(specs, [0.0 if dev == "cpu" else share for dev, _, _ in plan], resources)
 
 
 def gpu_share(n_gpu_stages: int, cluster_gpus: float) -> float:
@@ -78,10 +76,8 @@ def transport_name(addresses, driver_host: str) -> str:
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None):
-    """An Engine whose model is a PipelinedModel over stage actors; (engine, actors)."""
-    import ray
-
+                            cpu_threads=1, resources=None, seed=None, launcher="ray"):
+    """An Engine whose model is a PipelinedModel over stage actors; (engine, stages)."""
     from workers.cupy.engine import Engine
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.kv_cache import BlockManager
@@ -90,8 +86,9 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     from workers.pipeline.runner import PipelinedModel
 
     cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
-    actors, addresses = start_stages(stages_plan, model_path, cache_dir, bind_host=bind_host,
-                                     max_model_len=context_length, cpu_threads=cpu_threads, resources=resources)
+    stages = start_stages(stages_plan, model_path, cache_dir, bind_host=bind_host, max_model_len=context_length,
+                          cpu_threads=cpu_threads, resources=resources, launcher=launcher)
+    addresses = stages.addresses
     if device == "cpu":
         from workers.pipeline.layers import NumpyEnds
 
@@ -100,13 +97,12 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
         from workers.pipeline.gpu import GpuEnds
 
         ends = GpuEnds(cfg, weights)
-    model = PipelinedModel(ends, addresses[0], len(actors), transport_name(addresses, bind_host),
-                           micro_batches or len(actors), bind_host)
-    driver_host = bind_host if bind_host != "0.0.0.0" else ray.util.get_node_ip_address()
-    nexts = addresses[1:] + [(driver_host, model.address[1])]
-    ray.get([a.connect.remote(*nxt) for a, nxt in zip(actors, nexts)])
+    n = len(addresses)
+    model = PipelinedModel(ends, addresses[0], n, transport_name(addresses, bind_host), micro_batches or n, bind_host)
+    driver_host = bind_host if bind_host != "0.0.0.0" else _node_ip()
+    stages.connect(addresses[1:] + [(driver_host, model.address[1])])
     model.connect()
-    log.info("pipeline: %d stages %s over %s", len(actors), stages_plan, model.stats.transport)
+    log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
     kv = model.kv_storage(num_blocks, block_size)
     blocks = BlockManager(num_blocks, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
@@ -119,17 +115,21 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
     if device != "cpu":
         sampler.engine = engine
-    engine.pipeline_actors = actors  # kept alive with the engine; close() via close_pipeline
-    return engine, actors
+    engine.pipeline_actors = stages  # kept alive with the engine; ended by close_pipeline
+    return engine, stages
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def close_pipeline(engine) -> None:
-    import ray
-
-    model = engine.model
-    model.close()
-    for a in getattr(engine, "pipeline_actors", []):
-        ray.kill(a)
+    engine.model.close()
+    stages = getattr(engine, "pipeline_actors", None)
+    if stages is not None:
+        stages.close()
 
 
 def build_for_backend(info, weights, engine_cfg, xp, sizes: dict, block_sink, multi_host: bool):

@@ -1,0 +1,170 @@
+"""Pipeline parallelism (issue 10): the single-stage engine vs the same engine with its layers in N stage
+actors, on one device, in process.
+
+    python -m bench.pipeline --device cuda --model MODEL.gguf --stages 2 --batches 1 32 --tokens 64
+    python -m bench.pipeline --device cpu --batches 1 4 --tokens 8 --repeats 5      # the CPU box
+
+Configurations, interleaved per repeat (bench/protocol.py): `single-bB` (the engine as the worker runs it:
+on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage) and `pipe1-bB`
+(N stages, no micro-batching: the stages take turns). Each run submits B distinct prompts, greedy, and
+times decode only (from the step after every sequence has its first token to the last token).
+Metrics: aggregate decode tok/s, ms per decode step, the pipeline's transfer cost per token (send + receive
+at every hop, from PipelineStats) and bytes per token, and `identical` (1 when the run's tokens equal the
+single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
+single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
+
+`--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import protocol
+from bench.machine import machine_info
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,",
+         "Photosynthesis is the process by which plants", "List three primary colors:"]
+
+
+def build(args, info, weights):
+    """{'single': engine, 'pipe': engine}; both with the same sizes."""
+    from workers.pipeline.build import create_pipelined_engine, stage_plan
+
+    kw = dict(block_size=16, num_blocks=2048, max_num_seqs=max(args.batches), max_step_tokens=4096,
+              context_length=2048)
+    if args.device == "cpu":
+        from workers.cupy.engine import create_engine
+
+        single = create_engine(info, weights, np, **kw)
+    else:
+        from workers.cupy.gpu import create_gpu_engine
+
+        single = create_gpu_engine(info, weights, **kw)
+    n_layers = info.hparams[f"{info.architecture}.block_count"]
+    pipe, _ = create_pipelined_engine(
+        info, weights, stages_plan=stage_plan(n_layers, [], args.stages, args.device), device=args.device,
+        micro_batches=args.stages, model_path=str(info.path), launcher=args.launcher, **kw)
+    return {"single": single, "pipe": pipe}
+
+
+def prompts(info, tok, batch: int) -> list[list[int]]:
+    return [[info.bos_token_id] + tok.encode(f"{TEXTS[i % len(TEXTS)]} ({i})").ids for i in range(batch)]
+
+
+def run_once(engine, ids: list[list[int]], tokens: int, tag: str) -> tuple[dict, list[list[int]]]:
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    for i, p in enumerate(ids):
+        engine.add(GenerateRequest(request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=tokens,
+                                   sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+    out = {f"{tag}-{i}": [] for i in range(len(ids))}
+    t0, steps, decoded = None, 0, 0
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+        if t0 is None and all(out.values()):
+            t0 = time.perf_counter()  # every sequence has its first token: decode starts
+        elif t0 is not None:
+            steps += 1
+    elapsed = time.perf_counter() - t0
+    decoded = sum(len(v) - 1 for v in out.values())
+    return {"tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / max(steps, 1)}, list(out.values())
+
+
+def measures(args, engines, info, tok):
+    reference: dict[int, list] = {}
+    counter = iter(range(10**9))
+
+    def make(name: str, batch: int, micro_batches: int):
+        engine = engines["single" if name == "single" else "pipe"]
+
+        async def measure():
+            if name != "single":
+                engine.model.micro_batches = micro_batches
+                before = dict(engine.model.stats.as_dict())
+            metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
+            if name == "single":
+                reference[batch] = toks
+            else:
+                after = engine.model.stats.as_dict()
+                n = max(after["tokens"] - before["tokens"], 1)
+                metrics["transfer_us_per_token"] = 1e6 * (after["transfer_s"] - before["transfer_s"]) / n
+                metrics["bytes_per_token"] = (after["bytes"] - before["bytes"]) / n
+                if batch in reference:
+                    metrics["identical"] = float(toks == reference[batch])
+            return metrics
+
+        return measure
+
+    out = {}
+    for b in args.batches:
+        out[f"single-b{b}"] = make("single", b, 1)
+        out[f"pipe-b{b}"] = make("pipe", b, args.stages)
+        out[f"pipe1-b{b}"] = make("pipe1", b, 1)
+    return out
+
+
+def notes(summary: dict, batches: list[int]) -> str:
+    lines = []
+    b1, bn = min(batches), max(batches)
+    s, p = summary.get(f"single-b{b1}"), summary.get(f"pipe-b{b1}")
+    if s and p:
+        lines.append(f"Per-token overhead at batch {b1}: {p['ms_per_step']['median'] - s['ms_per_step']['median']:.3f} "
+                     f"ms per step (pipe {p['ms_per_step']['median']:.3f} vs single {s['ms_per_step']['median']:.3f}).")
+    s, p = summary.get(f"single-b{bn}"), summary.get(f"pipe-b{bn}")
+    if s and p:
+        ratio = p["tok_s"]["median"] / s["tok_s"]["median"]
+        lines.append(f"Aggregate at batch {bn}: pipe / single = {ratio:.2f} (goal >= 0.8: {'met' if ratio >= 0.8 else 'missed'}).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, help="GGUF file (default: the bundled model)")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--launcher", default="ray", choices=["ray", "process"])
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path")
+    protocol.add_arguments(ap, Path("bench/results"))
+    args = ap.parse_args(argv)
+    from threadpoolctl import threadpool_limits
+
+    from workers.cupy.weights import load_weights
+    from workers.pipeline.build import close_pipeline
+    from workers.protocol.model import load_model_info, load_tokenizer
+
+    threadpool_limits(args.threads)
+    if args.launcher == "ray":
+        import ray
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    machine = machine_info()
+    info = load_model_info(args.model)
+    engines = build(args, info, load_weights(info.path))
+    started = time.time()
+    try:
+        records = asyncio.run(protocol.run(measures(args, engines, info, load_tokenizer(args.model)),
+                                           args.repeats, args.warmup, not args.quiet))
+    finally:
+        close_pipeline(engines["pipe"])
+    summary = protocol.summarize(records)
+    metrics = ["tok_s", "ms_per_step", "transfer_us_per_token", "bytes_per_token", "identical"]
+    table = protocol.markdown_table(summary, metrics)
+    doc = protocol.result_document("pipeline", records, summary, vars(args) | {"out": str(args.out)}, started, machine)
+    note = notes(summary, args.batches)
+    paths = protocol.write_result(doc, table, metrics, args.out, note)
+    print(table)
+    print(note)
+    print(f"wrote {paths['md']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

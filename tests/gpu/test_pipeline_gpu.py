@@ -1,0 +1,70 @@
+"""Two pipeline stages sharing one GPU against the single-stage GPU engine: identical greedy tokens on the
+real model (prompts from test_gemma3_gpu.py, one past the 512-token sliding window), micro-batched decode,
+the transfer visible in the pipeline's stats. Stages start as Ray actors where Ray is installed, else as
+plain processes (the same StageActor; the GPU benchmark machine has no Ray)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytest.importorskip("cupy")
+
+from tests.gpu.test_gemma3_gpu import PROMPTS, model_path  # noqa: E402
+
+LAUNCHER = "ray" if importlib.util.find_spec("ray") else "process"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    path = model_path()
+    if path is None or not path.exists():
+        pytest.skip("no GGUF model (set PULSE_GGUF)")
+    from workers.cupy.gpu import create_gpu_engine
+    from workers.cupy.weights import load_weights
+    from workers.pipeline.build import close_pipeline, create_pipelined_engine, stage_plan
+    from workers.protocol.model import load_model_info, load_tokenizer
+
+    if LAUNCHER == "ray":
+        import ray
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    info = load_model_info(str(path))
+    weights = load_weights(path)
+    kw = dict(block_size=16, num_blocks=512, max_num_seqs=8, max_step_tokens=1024, context_length=2048)
+    single = create_gpu_engine(info, weights, **kw)
+    pipe, _ = create_pipelined_engine(info, weights, stages_plan=stage_plan(info.hparams["gemma3.block_count"], [], 2,
+                                                                            "cuda"),
+                                      device="cuda", micro_batches=2, model_path=str(path), launcher=LAUNCHER, **kw)
+    yield info, load_tokenizer(str(path)), single, pipe
+    close_pipeline(pipe)
+    if LAUNCHER == "ray":
+        import ray
+
+        ray.shutdown()
+
+
+def generate(engine, ids_list, n):
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    for i, ids in enumerate(ids_list):
+        engine.add(GenerateRequest(request_id=str(i), prompt_ids=ids, max_tokens=n,
+                                   sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+    out = {str(i): [] for i in range(len(ids_list))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[str(i)] for i in range(len(ids_list))]
+
+
+def test_two_stages_on_one_gpu_give_the_single_stage_greedy_tokens(engines):
+    info, tok, single, pipe = engines
+    ids = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS]
+    want = generate(single, ids, 32)
+    got = generate(pipe, ids, 32)
+    for i in range(len(PROMPTS)):
+        assert got[i] == want[i], f"prompt {i}"
+    stats = pipe.model.stats.as_dict()
+    assert stats["stages"] == 2 and stats["transport"] == "tcp-loopback"
+    assert stats["bytes_per_token"] > 640 * 4 and all(s > 0 for s in stats["stage_compute_s"])
+    print("pipeline stats:", stats)
