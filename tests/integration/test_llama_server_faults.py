@@ -85,7 +85,8 @@ async def test_hung_process_times_out_then_is_replaced(tmp_path):
         with pytest.raises(BackendError) as e:
             await collect(backend, request("hang", encode(PROMPT), 4))
         waited = time.monotonic() - t0
-        assert e.value.status == 503 and 1.5 < waited < 4.0, (e.value, waited)
+        # headers_timeout_s (2 s) without headers, then /health unanswered for 2 s
+        assert e.value.status == 503 and 3.5 < waited < 7.0, (e.value, waited)
         # /health does not answer either, so the hung process is killed and a new one started
         await wait_until(lambda: backend.stats().restarts == 1, 10, "killed")
         await wait_until(lambda: backend.stats().healthy, 60, "restarted")
@@ -95,6 +96,19 @@ async def test_hung_process_times_out_then_is_replaced(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+        await backend.close()
+
+
+async def test_slow_but_alive_is_not_a_hang(tmp_path):
+    """A prefill longer than headers_timeout_s is waited for while /health answers: nothing is killed."""
+    backend = make_backend(tmp_path, headers_timeout_s=0.3)
+    await backend.start()
+    try:
+        t0 = time.monotonic()
+        chunks = await collect(backend, request("slow", encode("The sea was calm that night. " * 150), 2))
+        assert time.monotonic() - t0 > 0.6  # the headers took several timeouts' worth of time
+        assert chunks[-1].finish_reason == "length" and backend.stats().restarts == 0
+    finally:
         await backend.close()
 
 

@@ -149,13 +149,25 @@ class LlamaServerBackend(Backend):
             raise BackendError("llama-server is restarting", 503) from None
 
     async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None) -> aiohttp.ClientResponse:
+        """POST the request and wait for the response headers. llama-server sends them with the first
+        token, after queueing and prefill (minutes for a long cold prompt on a small box), so a slow
+        answer alone is not a fault: every `headers_timeout_s` without headers, /health is asked, and
+        only a process that does not answer it either counts as hung (killed, then restarted)."""
         body = api.request_body(request, slot)
+        post = asyncio.ensure_future(self._session.post(
+            lane.process.url + "/completion", data=body, headers={"Content-Type": "application/json"}))
         try:
-            async with asyncio.timeout(self.cfg.headers_timeout_s):
-                resp = await self._session.post(lane.process.url + "/completion", data=body,
-                                                headers={"Content-Type": "application/json"})
-        except TimeoutError:
-            raise asyncio.TimeoutError(f"no response headers within {self.cfg.headers_timeout_s:.1f} s") from None
+            while True:
+                done, _ = await asyncio.wait((post,), timeout=self.cfg.headers_timeout_s)
+                if done:
+                    resp = post.result()
+                    break
+                if not await self._alive(lane):
+                    raise asyncio.TimeoutError(
+                        f"no response headers within {self.cfg.headers_timeout_s:.1f} s and no answer to /health")
+        except BaseException:
+            post.cancel()
+            raise
         if resp.status != 200:
             try:
                 raise api.error_of(resp.status, await resp.read())
@@ -185,17 +197,22 @@ class LlamaServerBackend(Backend):
         return f"llama-server connection failed: {type(e).__name__}: {e}"
 
     async def _probe(self, lane: Lane) -> None:
+        await self._alive(lane)
+
+    async def _alive(self, lane: Lane) -> bool:
+        """Whether the process answers /health within 2 s; one that does not is killed (and restarts)."""
         proc = lane.process
         pid = proc.pid
         try:
             async with self._session.get(proc.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 await r.read()
-                return
+                return True
         except _CONNECTION_ERRORS:
             pass
         if pid is not None and proc.pid == pid:  # still the same (hung) process: kill it, it restarts
             log.error("%s pid %d does not answer /health: killing it", lane.name, pid)
             proc.kill_now()
+        return False
 
     def _on_crash(self, lane: Lane, returncode: int) -> None:
         for flight in self._flights.values():
