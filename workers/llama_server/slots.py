@@ -61,7 +61,12 @@ class SlotTable:
         slot = self.slots[index]
         slot.busy = True
         slot.last_used = time.monotonic()
-        self._replace(slot, list(prompt), chain_hashes(prompt, self.block_size))
+        # Hashing costs ~0.25 ms per 1k tokens: reuse the hashes of the blocks the slot already shares.
+        bs = self.block_size
+        keep = min(common_prefix(slot.tokens, prompt) // bs, len(slot.hashes))
+        parent = slot.hashes[keep - 1] if keep else 0
+        hashes = slot.hashes[:keep] + chain_hashes(prompt[keep * bs :], bs, parent)
+        self._replace(slot, list(prompt), hashes)
         return slot.epoch
 
     def release(self, index: int, epoch: int, generated: list[int], failed: bool = False) -> None:
