@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,9 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range, which Ray's own components may take first (bench/faults.py)."""
+    from bench.faults import quiet_port
+
+    return quiet_port()
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
