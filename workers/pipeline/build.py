@@ -76,7 +76,7 @@ def transport_name(addresses, driver_host: str) -> str:
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None, launcher="ray"):
+                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True):
     """An Engine whose model is a PipelinedModel over stage actors; (engine, stages)."""
     from workers.cupy.engine import Engine
     from workers.cupy.gemma3 import Gemma3Config
@@ -103,7 +103,7 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     stages.connect(addresses[1:] + [(driver_host, model.address[1])])
     model.connect()
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
-    kv = model.kv_storage(num_blocks, block_size)
+    kv = model.kv_storage(num_blocks, block_size, max_seqs=max_num_seqs if graphs else 0)
     blocks = BlockManager(num_blocks, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":

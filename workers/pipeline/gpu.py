@@ -1,6 +1,7 @@
 """The GPU halves of a stage (workers/pipeline/layers.py has the NumPy ones): GpuGemma3's own kernels and
 cuBLAS calls, over a slice of the layers (stage) or over none (the driver's embeddings and head).
 
+Decode steps replay CUDA graphs (StageGraphs), as the single-stage engine's do; other steps run eagerly.
 Numerics follow the single-stage engine's general path step for step: the stage's entry norm is
 `add_norm` with a zero delta (resid + 0 is exact), its exit finishes the last layer's residual add, and the
 driver's head is the same fused norm, cuBLAS product, softcap and argmax. Activations cross stages as the
@@ -8,6 +9,7 @@ fp32 residual stream, as they are held inside one stage.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import cupy as cp
@@ -15,8 +17,11 @@ import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
 from workers.cupy.gpu.gemma3 import GpuGemma3, Workspace, kv_dtype
+from workers.cupy.gpu.graphs import DecodeGraphs
 from workers.cupy.batch import StepBatch
 from workers.pipeline.layers import range_config, slice_weights
+
+log = logging.getLogger(__name__)
 
 
 class GpuLayers:
@@ -24,24 +29,23 @@ class GpuLayers:
                  max_model_len: int = 8192):
         self.model = GpuGemma3(range_config(cfg, lo, hi), slice_weights(weights, lo, hi, cfg.hidden, False),
                                act=act, graph_sizes=(), max_model_len=max_model_len)
-        self.kv, self.block_size = None, 0
+        self.kv, self.block_size, self.graphs = None, 0, None
 
-    def alloc_kv(self, num_blocks: int, block_size: int) -> None:
+    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0) -> None:
         self.kv, self.block_size = self.model.kv_storage(num_blocks, block_size), block_size
+        self.graphs = None
+        if max_seqs:  # decode steps as CUDA graphs, as the single-stage engine replays them
+            sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_seqs) + (max_seqs,)
+            try:
+                self.graphs = StageGraphs(self, sizes, -(-self.model.max_model_len // block_size))
+            except Exception:  # a capture this CuPy/driver refuses: decode eagerly, slower but the same tokens
+                log.exception("stage decode graphs not captured; decoding eagerly")
 
-    def run(self, x: np.ndarray, batch: StepBatch, last: bool) -> np.ndarray:
-        m, meta = self.model, batch.meta
+    def layer_loop(self, ws, zeros, pos, slots, tok_row, tables, decode: bool) -> None:
+        """ws.resid holds the incoming residual stream; leaves the outgoing one there (launches only)."""
+        m = self.model
         k, blas, eps, L = m.kernels, m.blas, m.cfg.eps, m.layers
-        n_query = np.diff(meta.query_start)
-        decode = bool(np.all(n_query == 1))
-        ws = Workspace.allocate(m.cfg, batch.num_tokens, 1, m.act)
-        ws.resid[...] = cp.asarray(x)
-        ws.down.fill(0)
-        k.add_norm(ws.resid, ws.down, L[0]["post_ffn_norm"], L[0]["attn_norm"], eps, ws.x)  # x = norm(resid)
-        pos = cp.asarray(batch.positions, cp.int32)
-        slots = cp.asarray(batch.slot_mapping, cp.int64)
-        tok_row = cp.asarray(np.repeat(np.arange(n_query.size, dtype=np.int32), n_query))
-        tables = cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32))
+        k.add_norm(ws.resid, zeros, L[0]["post_ffn_norm"], L[0]["attn_norm"], eps, ws.x)  # x = norm(resid + 0)
         for i, lw in enumerate(L):
             blas.linear(ws.x, lw["qkv"], ws.qkv)
             m._attention(i, lw, ws, pos, slots, tok_row, tables, self.kv, self.block_size, decode)
@@ -53,8 +57,54 @@ class GpuLayers:
             # after the slice's last layer only the residual add matters (its norm output is unused)
             nxt = L[i + 1]["attn_norm"] if i + 1 < len(L) else lw["post_ffn_norm"]
             k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], nxt, eps, ws.x)
+
+    def run(self, x: np.ndarray, batch: StepBatch, last: bool) -> np.ndarray:
+        meta = batch.meta
+        n_query = np.diff(meta.query_start)
+        decode = bool(np.all(n_query == 1))
+        if decode and self.graphs is not None:
+            out = self.graphs.run_stage(x, batch)
+            if out is not None:
+                return out[batch.logits_indices] if last else out
+        ws = Workspace.allocate(self.model.cfg, batch.num_tokens, 1, self.model.act)
+        ws.resid[...] = cp.asarray(x)
+        tok_row = cp.asarray(np.repeat(np.arange(n_query.size, dtype=np.int32), n_query))
+        self.layer_loop(ws, cp.zeros_like(ws.resid), cp.asarray(batch.positions, cp.int32),
+                        cp.asarray(batch.slot_mapping, cp.int64), tok_row,
+                        cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32)), decode)
         out = ws.resid[cp.asarray(batch.logits_indices, cp.int64)] if last else ws.resid
         return cp.ascontiguousarray(out).get()
+
+
+class StageGraphs(DecodeGraphs):
+    """A stage's decode steps as CUDA graphs: DecodeGraphs' packed inputs and `prepare` kernel (positions,
+    KV slots, padding rows to the scratch slot), with the residual stream copied in instead of embedded."""
+
+    def __init__(self, layers: GpuLayers, sizes, max_blocks: int):
+        g, hidden = max(sizes), layers.model.cfg.hidden
+        self.layers = layers
+        self.x_in = cp.zeros((g, hidden), cp.float32)
+        self.zeros = cp.zeros((g, hidden), cp.float32)
+        super().__init__(layers.model, layers.kv, layers.block_size, sizes, max_blocks)
+
+    def _step(self, g: int) -> None:
+        m, ws = self.model, self.ws.view(g, g)
+        m.kernels.prepare(self._pos_in(g), self._tables(g), self.block_size, self.scratch_slot,
+                          self.pos[:g], self.slots[:g])
+        ws.resid[...] = self.x_in[:g]
+        self.layers.layer_loop(ws, self.zeros[:g], self.pos[:g], self.slots[:g], self.tok_row[:g], self._tables(g),
+                               True)
+
+    def run_stage(self, x: np.ndarray, batch: StepBatch) -> np.ndarray | None:
+        meta = batch.meta
+        n = int(meta.seq_lens.size)
+        g = self.size_for(n)
+        if g is None or meta.block_tables.shape[1] > self.max_blocks:
+            return None
+        self.load(np.zeros(n, np.int32), meta.seq_lens - 1, meta.block_tables, g)
+        self.x_in[:n].set(np.ascontiguousarray(x, np.float32))
+        self.replay(g)
+        return self.ws.resid[:n].get()
 
 
 class GpuEnds:

@@ -68,7 +68,7 @@ class NumpyLayers:
                             Ops(np), dtype)
         self.dtype, self.kv = dtype, None
 
-    def alloc_kv(self, num_blocks: int, block_size: int) -> None:
+    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0) -> None:
         self.kv = self.model.kv_storage(num_blocks, block_size, self.dtype)
 
     def run(self, x: np.ndarray, batch: StepBatch, last: bool) -> np.ndarray:

@@ -114,8 +114,10 @@ class PipelinedModel:
     def last_chosen(self):
         return getattr(self.ends, "last_chosen", None)
 
-    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None) -> PipelineKV:
-        self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size}, {}))
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None, max_seqs: int = 0) -> PipelineKV:
+        """Each stage allocates K/V for its layers; `max_seqs` sizes the GPU stages' decode graphs."""
+        self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size,
+                           "max_seqs": max_seqs}, {}))
         self._receive()
         return PipelineKV(num_blocks, block_size)
 

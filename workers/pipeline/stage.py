@@ -81,7 +81,7 @@ class StageActor:
                 if kind == "run":
                     arrays = self._run(header, arrays)
                 elif kind == "alloc":
-                    self.layers.alloc_kv(header["num_blocks"], header["block_size"])
+                    self.layers.alloc_kv(header["num_blocks"], header["block_size"], header.get("max_seqs", 0))
             except Exception as exc:  # the driver raises it; the stage keeps serving
                 log.exception("stage %d-%d failed", self.lo, self.hi)
                 header = {"kind": "error", "mb": header.get("mb"), "message": f"stage {self.lo}-{self.hi}: {exc}"}
