@@ -6,7 +6,9 @@ Cases, interleaved in every repeat after one discarded warm-up round:
 - prefill: one 512-token prompt in one step, prompt tokens/s;
 - decode b1: one sequence, 64 greedy tokens after a short prompt, tokens/s of the decode steps;
 - decode b8: eight sequences at once, 32 greedy tokens each, aggregate tokens/s of the decode steps.
-Reports median, min and max over the repeats, with the machine's load average beside them.
+Reports median, min and max over the repeats, with the machine's load average beside them. Each case
+is given twice: per wall-clock second, and per second of this process' CPU time (tokens over
+time.process_time), which a shared, loaded box distorts far less than wall time.
 """
 from __future__ import annotations
 
@@ -38,19 +40,19 @@ def decode_rate(model, info, n_seqs: int, n_tokens: int) -> float:
         engine.add(GenerateRequest(request_id=f"d{i}", prompt_ids=prompt, max_tokens=n_tokens, sampling=GREEDY,
                                    ignore_eos=True))
     engine.step()  # every prompt prefills in this first step
-    generated, t0 = 0, time.perf_counter()
+    generated, t0, c0 = 0, time.perf_counter(), time.process_time()
     while engine.has_work():
         generated += len(engine.step())
-    return generated / (time.perf_counter() - t0)
+    return generated / (time.perf_counter() - t0), generated / (time.process_time() - c0)
 
 
 def prefill_rate(model, info, n_tokens: int = 512) -> float:
     engine = _engine(model, info, 1)
     prompt = [info.bos_token_id] + np.random.default_rng(0).integers(1000, 100_000, n_tokens - 1).tolist()
     engine.add(GenerateRequest(request_id="p", prompt_ids=prompt, max_tokens=1, sampling=GREEDY))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine.step()
-    return n_tokens / (time.perf_counter() - t0)
+    return n_tokens / (time.perf_counter() - t0), n_tokens / (time.process_time() - c0)
 
 
 def _engine(model, info, n_seqs: int):
@@ -76,12 +78,13 @@ def main(argv=None) -> dict:
     threadpool_limits(limits=args.threads, user_api="blas")
     info = load_model_info(None)
     model = build_model(info, load_weights(info.path), Ops(np))
-    samples: dict[str, list[float]] = {name: [] for name in CASES}
+    samples: dict[str, list[float]] = {f"{name} {clock}": [] for name in CASES for clock in ("wall", "cpu")}
     for r in range(args.repeats + 1):
         for name, case in CASES.items():
-            value = case(model, info)
+            wall, cpu = case(model, info)
             if r:  # round 0 is the warm-up
-                samples[name].append(value)
+                samples[f"{name} wall"].append(wall)
+                samples[f"{name} cpu"].append(cpu)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_average_1m_at_end": os.getloadavg()[0], "blas_threads": args.threads,
@@ -89,7 +92,7 @@ def main(argv=None) -> dict:
                   for name, v in samples.items()},
     }
     for name, s in result["cases"].items():
-        print(f"{name:30s} median {s['median']:8.1f}  min {s['min']:8.1f}  max {s['max']:8.1f}  (n={s['n']})")
+        print(f"{name:36s} median {s['median']:8.1f}  min {s['min']:8.1f}  max {s['max']:8.1f}  (n={s['n']})")
     print(f"machine: {result['machine']}; BLAS threads {args.threads}; load average {result['load_average_1m_at_end']}")
     if args.json:
         with open(args.json, "w") as f:
