@@ -18,6 +18,7 @@ single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 from __future__ import annotations
 
 import argparse
+import copy
 import asyncio
 import time
 from pathlib import Path
@@ -86,7 +87,7 @@ def measures(args, engines, info, tok):
         async def measure():
             if name != "single":
                 engine.model.micro_batches = micro_batches
-                before = dict(engine.model.stats.as_dict())
+                before = copy.deepcopy(engine.model.stats.as_dict())
             metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
             if name == "single":
                 reference[batch] = toks
@@ -94,6 +95,12 @@ def measures(args, engines, info, tok):
                 after = engine.model.stats.as_dict()
                 n = max(after["tokens"] - before["tokens"], 1)
                 metrics["transfer_us_per_token"] = 1e6 * (after["transfer_s"] - before["transfer_s"]) / n
+                steps = max(after["steps"] - before["steps"], 1)  # where a step's time goes, ms per step
+                metrics["stages_ms"] = 1e3 * sum(a - b for a, b in zip(after["stage_compute_s"],
+                                                                       before["stage_compute_s"])) / steps
+                metrics["driver_ms"] = 1e3 * (after["embed_s"] + after["head_s"] - before["embed_s"]
+                                              - before["head_s"]) / steps
+                metrics["transfer_ms"] = 1e3 * (after["transfer_s"] - before["transfer_s"]) / steps
                 metrics["bytes_per_token"] = (after["bytes"] - before["bytes"]) / n
                 if batch in reference:
                     metrics["identical"] = float(toks == reference[batch])
@@ -155,7 +162,8 @@ def main(argv=None) -> int:
     finally:
         close_pipeline(engines["pipe"])
     summary = protocol.summarize(records)
-    metrics = ["tok_s", "ms_per_step", "transfer_us_per_token", "bytes_per_token", "identical"]
+    metrics = ["tok_s", "ms_per_step", "stages_ms", "driver_ms", "transfer_ms", "transfer_us_per_token",
+               "bytes_per_token", "identical"]
     table = protocol.markdown_table(summary, metrics)
     doc = protocol.result_document("pipeline", records, summary, vars(args) | {"out": str(args.out)}, started, machine)
     note = notes(summary, args.batches)

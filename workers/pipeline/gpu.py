@@ -118,6 +118,7 @@ class GpuEnds:
         self.model = GpuGemma3(range_config(cfg, 0, 0), slice_weights(weights, 0, 0, cfg.hidden, True), act=act,
                                graph_sizes=(), max_model_len=8)
         self.last_logits = self.last_chosen = None
+        self._ws: dict[int, Workspace] = {}
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         m, t = self.model, token_ids.shape[0]
@@ -127,10 +128,15 @@ class GpuEnds:
                              self.cfg.eps, resid, scratch)
         return resid.get()
 
+    def synchronize(self) -> None:
+        cp.cuda.get_current_stream().synchronize()
+
     def head(self, x_rows: np.ndarray):
         m, c = self.model, self.cfg
         s = x_rows.shape[0]
-        ws = Workspace.allocate(c, 1, s, m.act)
+        ws = self._ws.get(s)
+        if ws is None:  # one workspace per row count, kept: allocating 17 arrays a step costs ~0.1 ms
+            ws = self._ws[s] = Workspace.allocate(c, 1, s, m.act)
         resid = cp.asarray(x_rows, cp.float32)
         zero = cp.zeros_like(resid)
         m.kernels.add_norm(resid, zero, m.out_norm, m.out_norm, c.eps, ws.x_out)  # resid + 0, then the final norm

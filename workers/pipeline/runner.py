@@ -34,6 +34,8 @@ class PipelineStats:
     tokens: int = 0
     bytes: int = 0
     transfer_s: float = 0.0
+    embed_s: float = 0.0  # the driver's own compute: embeddings in, head out
+    head_s: float = 0.0
     stage_compute_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -124,12 +126,19 @@ class PipelinedModel:
     def forward(self, batch: StepBatch, kv: PipelineKV):
         parts = split_batch(batch, self.micro_batches)
         for mb, (tokens, arrays) in enumerate(parts):
+            t0 = time.perf_counter()
             x = self.ends.embed_tokens(tokens)
+            self.stats.embed_s += time.perf_counter() - t0
             self._outbox.put(({"kind": "run", "mb": mb, "block_size": kv.block_size}, {**arrays, "x": x}))
         rows = [self._receive()["x"] for _ in parts]
         self.stats.steps += 1
         self.stats.tokens += batch.num_tokens
-        return self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+        t0 = time.perf_counter()
+        logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+        if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
+            self.ends.synchronize()
+        self.stats.head_s += time.perf_counter() - t0
+        return logits
 
     def _receive(self) -> dict:
         header, arrays, n, recv_s = wire.recv(self.down)
