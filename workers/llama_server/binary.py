@@ -59,5 +59,5 @@ def find_llama_server(configured: str | None = None) -> Path:
     raise FileNotFoundError(
         f"llama-server not found (looked for {p or cached_binary()}). Build it once with "
         "`deploy/build_llama_server.sh` (CPU; add `--cuda 90` on an H200, `--cuda 121` on a GB10; "
-        "~10-20 min on 2 cores), or set workers.llama_server.binary to an existing llama-server."
+        "15-40 min on 2 cores), or set workers.llama_server.binary to an existing llama-server."
     )
