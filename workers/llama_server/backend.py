@@ -11,7 +11,6 @@ Each request goes to llama-server's native /completion endpoint as the gateway's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
