@@ -161,23 +161,26 @@ class CompletionService:
                 if grant is not None:
                     await self.auth.release(grant, completion_tokens)
 
-    async def _all(self, it: AsyncIterator[Chunk], first: Chunk) -> AsyncIterator[Chunk]:
+    async def _batches(self, it: AsyncIterator[list[Chunk]], first: list[Chunk]) -> AsyncIterator[list[Chunk]]:
         yield first
-        async for c in it:
-            yield c
+        async for batch in it:
+            yield batch
 
-    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: Chunk, rm, span) -> web.Response:
+    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: list[Chunk], rm, span) -> web.Response:
         parts: list[str] = []
         lps: list[TokenLogprob] | None = None
         final: Chunk | None = None
         try:
-            async for c in self._all(it, first):
-                rm.chunk(len(c.token_ids))
-                parts.append(c.text)
-                if c.logprobs is not None:
-                    lps = (lps or []) + c.logprobs
-                if c.finish_reason is not None:
-                    final = c
+            async for batch in self._batches(it, first):
+                for c in batch:
+                    rm.chunk(len(c.token_ids))
+                    parts.append(c.text)
+                    if c.logprobs is not None:
+                        lps = (lps or []) + c.logprobs
+                    if c.finish_reason is not None:
+                        final = c
+                        break
+                if final is not None:
                     break
         except Exception as e:
             raise APIError(503, f"worker {worker.worker_id} failed mid-generation: {e}", code="worker_failed") from None
@@ -191,33 +194,39 @@ class CompletionService:
         return web.Response(body=_json.encode(body), content_type="application/json",
                             headers={"x-pulse-worker": worker.worker_id})
 
-    async def _stream(self, request: web.Request, shaper: Shaper, worker: WorkerState, it, first: Chunk,
+    async def _stream(self, request: web.Request, shaper: Shaper, worker: WorkerState, it, first: list[Chunk],
                       include_usage: bool, rm, span) -> web.StreamResponse:
+        """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
+        the first batch goes out as soon as it arrives."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "x-pulse-worker": worker.worker_id})
         await out.prepare(request)
         is_first = True
         try:
-            async for c in self._all(it, first):
-                rm.chunk(len(c.token_ids))
-                if c.finish_reason == "error":
-                    rm.finish("stream_error")
-                    await _sse_error(out, c.error or "generation failed")
-                    return out
-                if c.text or c.logprobs or is_first or c.finish_reason:
-                    finish = _finish(c) if c.finish_reason else None
+            async for batch in self._batches(it, first):
+                rm.chunk(sum(len(c.token_ids) for c in batch))
+                events: list[bytes] = []
+                for c in batch:
+                    if c.finish_reason == "error":
+                        rm.finish("stream_error")
+                        events.append(_error_event(c.error or "generation failed"))
+                        await out.write(b"".join(events))
+                        return out
                     if c.text or c.logprobs or is_first:
-                        await out.write(_event(shaper.stream_chunk(c.text, None, c.logprobs, is_first)))
+                        events.append(_event(shaper.stream_chunk(c.text, None, c.logprobs, is_first)))
                         is_first = False
-                    if finish:
-                        await out.write(_event(shaper.stream_chunk("", finish, None, False)))
-                if c.finish_reason is not None:
-                    rm.finish(200, c.usage)
-                    tm.set_usage_attributes(span, c.usage or Usage(), _finish(c))
-                    if include_usage:
-                        await out.write(_event(shaper.usage_chunk(c.usage or Usage())))
-                    await out.write(DONE)
-                    return out
+                    if c.finish_reason is not None:
+                        usage = c.usage or Usage()
+                        events.append(_event(shaper.stream_chunk("", _finish(c), None, False)))
+                        rm.finish(200, c.usage)
+                        tm.set_usage_attributes(span, usage, _finish(c))
+                        if include_usage:
+                            events.append(_event(shaper.usage_chunk(usage)))
+                        events.append(DONE)
+                        await out.write(b"".join(events))
+                        return out
+                if events:
+                    await out.write(b"".join(events))
             rm.finish("stream_error")
             await _sse_error(out, "the worker stream ended without a result")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -237,8 +246,12 @@ def _event(obj: dict) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
+def _error_event(message: str) -> bytes:
+    return _event(error_body(503, message, None, "worker_failed"))
+
+
 async def _sse_error(out: web.StreamResponse, message: str) -> None:
     try:
-        await out.write(_event(error_body(503, message, None, "worker_failed")))
+        await out.write(_error_event(message))
     except (ConnectionResetError, RuntimeError):
         pass

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.errors import APIError
-from gateway.pool import WorkerPool, WorkerState, iter_chunks
+from gateway.pool import WorkerPool, WorkerState, iter_batches
 from gateway.router import load_of
 from policy.types import AdmissionRequest
 from workers.protocol import BackendError, Chunk, GenerateRequest
@@ -30,8 +30,8 @@ log = logging.getLogger("pulse.gateway.dispatch")
 class Ticket:
     worker: WorkerState
     response: object  # the aiohttp response of the worker stream
-    chunks: object  # async iterator of the remaining Chunks
-    first: Chunk
+    chunks: object  # async iterator of the remaining Chunks, in batches (what one read brought in)
+    first: list[Chunk]
     reason: str
     cached_tokens: int
 
@@ -55,7 +55,7 @@ class Dispatcher:
             w.inflight += 1  # before any await: the next admission sees this request's load
             try:
                 resp = await self.pool.open_stream(w, gen)
-                chunks = iter_chunks(resp)
+                chunks = iter_batches(resp)
                 first = await self._first(w, resp, chunks)
             except BackendError as e:
                 w.inflight -= 1
@@ -114,7 +114,7 @@ class Dispatcher:
         return AdmissionRequest(prompt_tokens=len(gen.prompt_ids), max_tokens=gen.max_tokens, cached_tokens=cached,
                                 priority=gen.priority, context_length=self.context_length)
 
-    async def _first(self, w: WorkerState, resp, chunks) -> Chunk:
+    async def _first(self, w: WorkerState, resp, chunks) -> list[Chunk]:
         try:
             return await chunks.__anext__()
         except StopAsyncIteration:

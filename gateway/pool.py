@@ -194,11 +194,17 @@ class WorkerPool:
         return resp
 
 
-async def iter_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
-    """Chunks from a worker stream: one JSON object per line."""
-    async for line in resp.content:
-        if line.strip():
-            yield chunk_decoder.decode(line)
+async def iter_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[Chunk]]:
+    """Chunks from a worker stream (one JSON object per line), grouped by what one read brought in, so
+    the gateway can relay a burst of tokens in one write."""
+    tail = b""
+    async for data in resp.content.iter_any():
+        *lines, tail = (tail + data).split(b"\n")
+        batch = [chunk_decoder.decode(line) for line in lines if line.strip()]
+        if batch:
+            yield batch
+    if tail.strip():
+        yield [chunk_decoder.decode(tail)]
 
 
 def msgspec_error(body: bytes) -> str:
