@@ -80,14 +80,14 @@ class Gemma3:
         def get(name):
             return xp.asarray(w[p + name + ".weight"], dtype=dtype)
 
-        # q, k, v as one product and gate, up as another: fewer, larger GEMMs (launches, on a GPU)
-        qkv = np.concatenate([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        gate_up = np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        def matrix(*names):  # one product for several matrices (q, k, v; gate, up): fewer, larger GEMMs
+            return self.ops.pack_weight(np.concatenate([w[p + n + ".weight"] for n in names]), dtype)
+
         return {
-            "attn_norm": get("attn_norm"), "qkv": xp.asarray(qkv, dtype=dtype),
-            "q_norm": get("attn_q_norm"), "k_norm": get("attn_k_norm"), "o": get("attn_output"),
+            "attn_norm": get("attn_norm"), "qkv": matrix("attn_q", "attn_k", "attn_v"),
+            "q_norm": get("attn_q_norm"), "k_norm": get("attn_k_norm"), "o": matrix("attn_output"),
             "post_attn_norm": get("post_attention_norm"), "ffn_norm": get("ffn_norm"),
-            "gate_up": xp.asarray(gate_up, dtype=dtype), "down": get("ffn_down"),
+            "gate_up": matrix("ffn_gate", "ffn_up"), "down": matrix("ffn_down"),
             "post_ffn_norm": get("post_ffw_norm"),
         }
 

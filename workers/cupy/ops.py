@@ -30,9 +30,15 @@ class Ops:
         ms = xp.mean(xp.square(x), axis=-1, keepdims=True)
         return x * (1.0 / xp.sqrt(ms + np.float32(eps))) * weight
 
+    def pack_weight(self, weight, dtype):
+        """A matrix given (out, in), as GGUF stores it, in the layout `linear` wants. OpenBLAS runs the
+        engine's small-M products faster on (in, out) rows (4 layer products, 1 / 8 rows: 1.5 -> 1.2 /
+        5.7 -> 3.6 ms CPU time on the 2-core box)."""
+        return self.xp.ascontiguousarray(self.xp.asarray(weight, dtype=dtype).T)
+
     def linear(self, x, weight):
-        """x @ weight.T with weight stored (out, in), as GGUF and cuBLAS' transposed GEMM both like it."""
-        return x @ weight.T
+        """x @ W.T for W (out, in), given `weight` = pack_weight(W)."""
+        return x @ weight
 
     def lm_head(self, h, table):
         """Logits (rows, vocab) = h @ table.T. Written as (table @ h.T).T because OpenBLAS streams the
