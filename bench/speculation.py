@@ -3,6 +3,7 @@ policy grid (context length x concurrency x K).
 
     python -m bench.speculation edit --tokens 48 --repeats 5 --warmup 2
     python -m bench.speculation grid --contexts 256 1024 --concurrency 1 4 --ks 2 4 --tokens 24
+    python -m bench.speculation grid --workload chat ...   (open questions: little for prompt lookup to find)
 
 `edit`: code-editing prompts (a source file plus an instruction to rewrite it with a small change), one at
 a time (batch 1), greedy, three configurations interleaved: `none` (no speculation), `lookup` (prompt
@@ -169,7 +170,8 @@ def request(rid: str, ids: list[int], tokens: int, prediction=None):
 
 # --- edit: batch-1 speedup ------------------------------------------------------------------------------
 def edit_measures(engine, info, profile, tokens: int) -> dict:
-    prompts = [(encode(info, edit_prompt(n, s, EDITS[n])), encode(info, f"# {n}\n{s}")[1:]) for n, s in SOURCES.items()]
+    # the prediction is the original file: what the answer repeats after the "# name" line the prompt ends with
+    prompts = [(encode(info, edit_prompt(n, s, EDITS[n])), encode(info, s)[1:]) for n, s in SOURCES.items()]
     reference: dict[int, list[int]] = {}
     counter = iter(range(10**9))
 
@@ -193,14 +195,24 @@ def edit_measures(engine, info, profile, tokens: int) -> dict:
 
 
 # --- grid: context x concurrency x K --------------------------------------------------------------------
-def grid_prompts(info, context: int, streams: int) -> list[list[int]]:
-    """`streams` distinct code-editing prompts of `context` tokens: other files as preamble, cut to fit."""
+PROSE = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+         "Explain to a child why the sky is blue and why sunsets are red.",
+         "Give three arguments for and against working from home.")
+
+
+def grid_prompts(info, context: int, streams: int, workload: str = "code") -> list[list[int]]:
+    """`streams` distinct prompts of `context` tokens: other files as preamble, cut to fit, then a code edit
+    ("code": the answer repeats a file, drafts hold) or an open question ("chat": little to look up)."""
     from workers.protocol.model import load_tokenizer
 
     tok, names, out = load_tokenizer(None), list(SOURCES), []
     for s in range(streams):
         target = names[s % len(names)]
-        edit = encode(info, edit_prompt(target, SOURCES[target], EDITS[target]))
+        if workload == "chat":
+            ask = f"<start_of_turn>user\n{PROSE[s % len(PROSE)]}<end_of_turn>\n<start_of_turn>model\n"
+            edit = encode(info, ask)
+        else:
+            edit = encode(info, edit_prompt(target, SOURCES[target], EDITS[target]))
         filler, i = [], 0
         while len(filler) < context - len(edit):
             other = names[(s + i) % len(names)]
@@ -211,12 +223,12 @@ def grid_prompts(info, context: int, streams: int) -> list[list[int]]:
     return out
 
 
-def grid_measures(engine, info, device_profile, contexts, concurrency, ks, tokens) -> dict:
+def grid_measures(engine, info, device_profile, contexts, concurrency, ks, tokens, workload="code") -> dict:
     configs = {"off": None, **{f"k{k}": fixed_k(k) for k in ks}, "adaptive": device_profile}
     measures, counter = {}, iter(range(10**9))
     for context in contexts:
         for streams in concurrency:
-            prompts = grid_prompts(info, context, streams)
+            prompts = grid_prompts(info, context, streams, workload)
             set_policy(engine, None)
             decode(engine, [request(f"warm-{next(counter)}", p, 1) for p in prompts])  # into the prefix cache
             for name, profile in configs.items():
@@ -275,6 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024], help="grid: prompt tokens")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="grid: streams at once")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4], help="grid: fixed K values besides 0")
+    ap.add_argument("--workload", default="code", choices=["code", "chat"], help="grid: what the prompts ask")
     ap.add_argument("--profile", default=None, help="device profile for the adaptive policy (default: by device)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path (the worker's default)")
     protocol.add_arguments(ap, Path("bench/results"))
@@ -295,14 +308,16 @@ def main(argv=None) -> int:
     if args.part == "edit":
         measures = edit_measures(engine, info, profile, args.tokens)
     else:
-        measures = grid_measures(engine, info, profile, args.contexts, args.concurrency, args.ks, args.tokens)
+        measures = grid_measures(engine, info, profile, args.contexts, args.concurrency, args.ks, args.tokens,
+                                 args.workload)
     started = time.time()
     records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet))
     summary = protocol.summarize(records)
     metrics = ["decode_tok_s", "acceptance"] + (["identical"] if args.part == "edit" else [])
     notes = f"Device: {dev}; adaptive policy: profile `{profile.name}`.\n\n" + (
         edit_notes(records) if args.part == "edit" else grid_notes(summary, args.contexts, args.concurrency, args.ks))
-    doc = protocol.result_document(f"speculation-{args.part}", records, summary,
+    name = f"speculation-{args.part}" + (f"-{args.workload}" if args.part == "grid" else "")
+    doc = protocol.result_document(name, records, summary,
                                    vars(args) | {"out": str(args.out), "device": dev, "profile": profile.name}, started,
                                    machine)
     paths = protocol.write_result(doc, protocol.markdown_table(summary, metrics), metrics, args.out, notes)
