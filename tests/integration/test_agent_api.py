@@ -187,3 +187,23 @@ def test_bad_agent_input_is_a_400_naming_the_parameter(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_openai_client_models_chat_and_completions(client):
+    """The foundation's done-when: list models, chat (stream and not) and complete with the official client."""
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.completion_tokens >= 1 and chat.choices[0].finish_reason in ("stop", "length")
+    parts = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                                max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert streamed == chat.choices[0].message.content  # temperature 0: the same text either way
+    assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+    done = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=0)
+    assert done.choices[0].text and done.usage.prompt_tokens > 0
+    pieces = list(client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=0,
+                                            stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text

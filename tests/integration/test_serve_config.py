@@ -13,7 +13,9 @@ from tests.conftest import ROOT, free_port, wait_http
 def test_serve_run_with_the_repo_config(tmp_path):
     port = free_port()
     env = {**os.environ, "PULSE_WORKERS__BACKEND": "loadtest", "PULSE_WORKERS__LOADTEST__TOKENS": "5",
-           "PULSE_SERVER__PORT": str(port), "PYTHONPATH": str(ROOT)}
+           "PULSE_SERVER__PORT": str(port), "PYTHONPATH": str(ROOT),
+           # a new local Ray, never one a `ray start` elsewhere left recorded in /tmp/ray
+           "RAY_ADDRESS": "local"}
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(["serve", "run", "deploy/serve_config.yaml"], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
