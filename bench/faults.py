@@ -76,27 +76,6 @@ def tcp_kernel_bytes() -> int:
     return 0
 
 
-def quiet_port(low: int = 20000, high: int = 32767) -> int:
-    """A free port below the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999).
-
-    A port from bind(0) is ephemeral: Ray's own components, started after we pick it and before the
-    gateway binds it, take ephemeral ports too and can grab it first (seen: the gateway failed with
-    EADDRINUSE and the health check reached a gRPC server).
-    """
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randint(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {low}-{high}")
-
-
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import aiohttp
 
 from bench import loops
-from bench.faults import MODEL, listening_pids, port_of, quiet_port, rss_bytes, settled_idle, workers
+from bench.faults import MODEL, listening_pids, port_of, rss_bytes, settled_idle, workers
+from bench.procs import free_port
 from bench.loadgen import LoadSpec, RequestResult, one_request, percentiles, request_body
 from bench.machine import machine_info
 from bench.procs import Proc, python_module
@@ -210,7 +211,7 @@ def run_cli(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = args.out / f"reliability-load-{stamp}.yaml"
     cfg.write_text(server_config(soak))
-    port = quiet_port()
+    port = free_port()
     before = machine_info()
     proc = Proc("pulse-serve", python_module("pulse.cli", "serve", "--port", str(port), "--config", str(cfg)),
                 args.out / f"logs-reliability-{stamp}")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def free_port() -> int:
     """A free port outside the ephemeral range, which Ray's own components may take first (bench/faults.py)."""
-    from bench.faults import quiet_port
+    from bench.procs import free_port as quiet_port
 
     return quiet_port()
 
