@@ -5,7 +5,7 @@ from pathlib import Path
 
 from policy.profiles import builtin_profiles
 from workers.llama_server.flags import adapt, group_args, server_argv, spelling
-from workers.llama_server.lane import policy_k
+from workers.llama_server.lane import Lane, choose_lane
 
 NEW = frozenset({"-m", "--host", "--port", "-np", "-c", "--kv-unified", "--slots", "--no-ui", "-t", "-fa",
                  "--flash-attn", "--metrics", "--cache-ram", "-ub", "--spec-draft-model", "-md",
@@ -41,9 +41,20 @@ def test_server_argv_new_and_old_binaries():
     assert "--model-draft /d.gguf --draft-max 3" in " ".join(old) and "--kv-unified" not in old
 
 
-def test_policy_k_from_the_gb10_table():
+def test_lane_choice_follows_the_speculation_policy(tmp_path):
+    """Two processes (with and without the drafter): each request goes by policy.speculation's K."""
+    from policy.config import LlamaServerConfig
+
     gb10 = builtin_profiles()["gb10"]
-    assert policy_k(gb10, 2000, 1) == 4
-    assert policy_k(gb10, 12000, 1) == 2
-    assert policy_k(gb10, 20000, 1) == 0
-    assert policy_k(gb10, 2000, 16) == 0
+    spec, plain = (Lane(n, lambda: ["true"], slots=2, block_size=16, log_path=tmp_path / n,
+                        cfg=LlamaServerConfig(), sink=None) for n in ("spec", "plain"))
+    for lane in (spec, plain):
+        lane.process.ready.set()
+    lanes = [spec, plain]
+    assert choose_lane(lanes, gb10, 2000, None) is spec
+    assert choose_lane(lanes, gb10, 12000, None) is spec  # K 2 in the 10,240-14,335 band
+    assert choose_lane(lanes, gb10, 20000, None) is plain
+    assert choose_lane(lanes, gb10, 2000, 0) is plain  # the request turned speculation off
+    assert choose_lane(lanes, gb10, 2000, None, schema=True) is spec
+    spec.running = 15  # 16 streams with this one: no drafter wins at any context
+    assert choose_lane(lanes, gb10, 2000, None) is plain

@@ -80,7 +80,8 @@ class LlamaServerBackend(Backend):
             raise BackendError("llama-server backend is not running", 503)
         if request.request_id in self._flights:
             raise BackendError(f"request id {request.request_id!r} is already running", 409, "conflict")
-        lane = choose_lane(self.lanes, self.profile, len(request.prompt_ids), request.max_draft_tokens)
+        lane = choose_lane(self.lanes, self.profile, len(request.prompt_ids), request.max_draft_tokens,
+                           schema=request.grammar is not None)
         await self._wait_ready(lane)
         prompt = request.prompt_ids
         slot = lane.slots.choose(prompt)

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from policy.profiles import DeviceProfile
+from policy.speculation import SCHEMA, TEXT, choose_k
 from workers.llama_server import flags
 from workers.llama_server.process import LlamaServerProcess
 from workers.llama_server.slots import SlotTable
@@ -76,23 +77,16 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
     return [lane("spec", True), lane("plain", False)]
 
 
-def policy_k(profile: DeviceProfile, context_tokens: int, concurrency: int) -> int:
-    """K from the profile's table: the first rule whose context and concurrency bounds hold (else 0)."""
-    for rule in profile.speculation:
-        if rule.workload is None and context_tokens < rule.max_context and concurrency <= rule.max_concurrency:
-            return min(rule.k, profile.max_draft_tokens)
-    return 0
+def choose_lane(lanes: list[Lane], profile: DeviceProfile, context_tokens: int, max_draft_tokens: int | None,
+                schema: bool = False) -> Lane:
+    """The drafter lane when the policy's K (policy.speculation; lowered by max_draft_tokens) is above 0.
 
-
-def choose_lane(lanes: list[Lane], profile: DeviceProfile, context_tokens: int, max_draft_tokens: int | None) -> Lane:
-    """The drafter lane when the policy's K (lowered by the request's max_draft_tokens) is above 0."""
+    llama-server's K is per process, so the decision is per request, not per step."""
     if len(lanes) == 1:
         return lanes[0]
     spec, plain = lanes
     concurrency = spec.running + plain.running + 1
-    k = policy_k(profile, context_tokens, concurrency)
-    if max_draft_tokens is not None:
-        k = min(k, max_draft_tokens)
+    k = choose_k(context_tokens, concurrency, SCHEMA if schema else TEXT, profile, max_draft_tokens)
     lane = spec if k > 0 else plain
     # A lane that is restarting should not fail a request the other lane can serve.
     if not lane.ready:
