@@ -47,7 +47,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, sampling=GREE
     """Submit every prompt at once and step until all finish: (tokens per prompt, final outputs)."""
     for i, ids in enumerate(prompts):
         engine.add(GenerateRequest(request_id=f"{tag}{i}", prompt_ids=ids, max_tokens=max_tokens,
-                                   sampling=sampling, ignore_eos=True, **kw))
+                                   sampling=sampling, **({"ignore_eos": True} | kw)))
     tokens, final = defaultdict(list), {}
     while engine.has_work():
         for out in engine.step():

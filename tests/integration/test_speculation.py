@@ -17,6 +17,7 @@ import pytest
 from cache.hashing import chain_hashes
 from policy.profiles import DeviceProfile, SpeculationRule
 from tests.integration.engine_helpers import PROMPTS, encode, make_engine
+from tests.integration.engine_helpers import run as generate
 from workers.cupy.speculative import Speculator
 from workers.protocol import GenerateRequest, SamplingParams
 
@@ -47,20 +48,6 @@ def spec_engine(k: int, **kw):
     engine = make_engine(**kw)
     engine.speculator = Speculator(always(k))
     return engine
-
-
-def generate(engine, prompts, max_tokens, sampling=GREEDY, tag="r", **kw):
-    """Every prompt at once; (tokens per request, final output per request)."""
-    for i, ids in enumerate(prompts):
-        engine.add(GenerateRequest(request_id=f"{tag}{i}", prompt_ids=ids, max_tokens=max_tokens,
-                                   sampling=sampling, **{"ignore_eos": True} | kw))
-    tokens, final = {f"{tag}{i}": [] for i in range(len(prompts))}, {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-            if out.finish_reason:
-                final[out.request_id] = out
-    return [tokens[f"{tag}{i}"] for i in range(len(prompts))], [final[f"{tag}{i}"] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
