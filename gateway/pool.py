@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class WorkerPool:
         self._rediscovering: set[str] = set()
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True,
+                                         socket_factory=_bounded_socket)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         for info in await self._discover(None):
             self.workers[info.worker_id] = WorkerState(info)
@@ -192,6 +194,19 @@ class WorkerPool:
             raise BackendError(detail, resp.status if resp.status < 600 else 503, "worker_refused")
         w.failures = 0
         return resp
+
+
+UPSTREAM_RCVBUF = 256 * 1024
+
+
+def _bounded_socket(addr_info) -> socket.socket:
+    """A socket to a worker with a fixed receive buffer: when a client stops reading, what piles up in the
+    kernel for its stream stays bounded (loopback autotuning otherwise grows it to tens of MiB), and the
+    worker's writes block, which pauses that generation."""
+    family, type_, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
+    return sock
 
 
 async def iter_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[Chunk]]:
