@@ -97,6 +97,7 @@ def serve_main(config: PulseConfig) -> int:
             return 1
         print(f"pulse: serving {config.model.name} at {base}/v1  ({len(actors)} worker(s), "
               f"backend {config.workers.backend}); Ctrl-C stops", flush=True)
+        print(f"pulse: {_auth_mode(config)}", flush=True)
         while not stop.wait(0.5):
             pass
         print("pulse: stopping (draining in-flight requests)", flush=True)
@@ -104,6 +105,28 @@ def serve_main(config: PulseConfig) -> int:
         return 0
     finally:
         _shutdown(actors)
+
+
+def _auth_mode(config: PulseConfig) -> str:
+    """One line on who may call: keyed, or open on loopback only (the single-box default)."""
+    import asyncio
+
+    from gateway.auth import KeyAuth
+    from gateway.keys import open_key_store
+    from gateway.quota import open_quota
+
+    async def mode() -> str:
+        auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,
+                       open_when_empty=config.keys.open_when_empty)
+        try:
+            return await auth.start()
+        finally:
+            await auth.close()
+
+    try:
+        return asyncio.run(mode())
+    except Exception as e:  # the key store unreachable: the gateway fails closed and says so per request
+        return f"key store unreachable at start ({e}); requests without a known key are refused"
 
 
 def _drain(actors: list, grace_s: float) -> None:
