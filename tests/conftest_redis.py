@@ -98,15 +98,32 @@ class RedisServer:
             return False
 
 
-@pytest.fixture
-def redis_server():
-    """A fresh, empty redis-server per test (it starts in a few milliseconds)."""
+def redis_binary() -> str:
+    """redis-server's path; a skip where it is missing, a failure under CI (deploy/install.sh installs it)."""
     binary = shutil.which("redis-server")
     if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is missing: deploy/install.sh should have installed it")
         pytest.skip("redis-server is not installed")
-    server = RedisServer(binary)
+    return binary
+
+
+def _serve():
+    server = RedisServer(redis_binary())
     server.start()
     try:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh, empty redis-server per test (it starts in a few milliseconds)."""
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def redis_module():
+    """One redis-server for a module whose tests share a `pulse serve` pointed at it."""
+    yield from _serve()

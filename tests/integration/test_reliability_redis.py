@@ -8,7 +8,6 @@ filled again are recorded.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections import Counter
 
@@ -19,7 +18,7 @@ import redis.asyncio as aioredis
 from bench.faults import chat_body, health, record, settled_idle, stream_chat
 from bench.loadgen import percentiles
 from tests.conftest import PulseProcess
-from tests.conftest_redis import RedisServer
+from tests.conftest_redis import redis_module  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -36,19 +35,8 @@ server:
 
 
 @pytest.fixture(scope="module")
-def redis_srv():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer(binary)
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def redis_pulse(redis_srv, tmp_path_factory):
-    srv = PulseProcess(["--redis-url", redis_srv.url], CONFIG, tmp_path_factory.mktemp("pulse-redis")).wait_ready()
+def redis_pulse(redis_module, tmp_path_factory):
+    srv = PulseProcess(["--redis-url", redis_module.url], CONFIG, tmp_path_factory.mktemp("pulse-redis")).wait_ready()
     yield srv
     srv.stop()
 
@@ -132,8 +120,8 @@ def check(phases: dict, health_seen: list[int]) -> None:
     assert set(health_seen) == {200}, health_seen
 
 
-async def test_redis_stopped_and_restarted(redis_pulse, redis_srv):
-    phases, refilled, health_seen = await run_fault(redis_pulse.base, redis_srv.url, redis_srv.stop, redis_srv.start)
+async def test_redis_stopped_and_restarted(redis_pulse, redis_module):
+    phases, refilled, health_seen = await run_fault(redis_pulse.base, redis_module.url, redis_module.stop, redis_module.start)
     record("redis_stop_restart", {"clients": CLIENTS, "phase_s": PHASE_S, "phases": phases,
                                   "health_while_down": sorted(set(health_seen)),
                                   "seconds_until_index_refilled": None if refilled is None else round(refilled, 2)})
@@ -141,9 +129,9 @@ async def test_redis_stopped_and_restarted(redis_pulse, redis_srv):
     assert refilled is not None, "the index stayed empty after Redis came back"
 
 
-async def test_redis_frozen_and_resumed(redis_pulse, redis_srv):
-    phases, refilled, health_seen = await run_fault(redis_pulse.base, redis_srv.url, redis_srv.pause,
-                                                    redis_srv.resume)
+async def test_redis_frozen_and_resumed(redis_pulse, redis_module):
+    phases, refilled, health_seen = await run_fault(redis_pulse.base, redis_module.url, redis_module.pause,
+                                                    redis_module.resume)
     record("redis_freeze_resume", {"clients": CLIENTS, "phase_s": PHASE_S, "phases": phases,
                                    "health_while_frozen": sorted(set(health_seen)),
                                    "seconds_until_index_answers": None if refilled is None else round(refilled, 2)})

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import aiohttp
 import pytest
 
 from tests.conftest import PulseProcess
-from tests.conftest_redis import RedisServer
+from tests.conftest_redis import redis_module  # noqa: F401  (the fixture)
 
 SYSTEM = ("You are a careful coding agent working in a large Python repository. Follow the house style: "
           "small functions, type hints, docstrings that say why, tests for every change, and no global state. "
@@ -30,18 +29,8 @@ routing: {block_ttl_s: 60}
 
 
 @pytest.fixture(scope="module")
-def redis():
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server must be installed (deploy/install.sh installs it)"
-    server = RedisServer(binary)
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def two_workers(redis, tmp_path_factory):
-    srv = PulseProcess(["--redis-url", redis.url], CONFIG, tmp_path_factory.mktemp("routing")).wait_ready(300)
+def two_workers(redis_module, tmp_path_factory):
+    srv = PulseProcess(["--redis-url", redis_module.url], CONFIG, tmp_path_factory.mktemp("routing")).wait_ready(300)
     yield srv
     srv.stop()
 
@@ -79,7 +68,8 @@ async def test_hot_prefix_spreads_under_overload(two_workers):
     assert len(set(workers)) == 2, workers  # the holder filled its 2 slots; the rest spread
 
 
-async def test_redis_stopped_mid_run_fails_no_request(two_workers, redis):
+async def test_redis_stopped_mid_run_fails_no_request(two_workers, redis_module):
+    redis = redis_module
     async with aiohttp.ClientSession() as s:
         async def one(i: int) -> int:
             msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}]
