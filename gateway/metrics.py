@@ -229,6 +229,11 @@ _WORKER_COUNTERS = (
     ("pulse_worker_preemptions", "Sequences preempted (KV blocks reclaimed) since the worker started.", "preemptions"),
     ("pulse_worker_backend_restarts", "Backend process restarts (llama-server) since the worker started.", "restarts"),
     ("pulse_worker_generated_tokens", "Tokens generated since the worker started.", "generated_tokens"),
+    ("pulse_worker_pipeline_transfer_seconds", "Time a pipelined engine spent moving activations between stages.",
+     "pipeline_transfer_seconds"),
+    ("pulse_worker_pipeline_transfer_bytes", "Activation bytes moved between pipeline stages.",
+     "pipeline_transfer_bytes"),
+    ("pulse_worker_pipeline_tokens", "Tokens that crossed a pipelined engine's stages.", "pipeline_tokens"),
 )
 # (metric without _total, help, snapshot field, label): lists indexed by draft position (1-based) or K.
 _WORKER_VECTORS = (

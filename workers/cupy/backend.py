@@ -127,7 +127,11 @@ class EngineBackend(Backend):
             return BackendStats(healthy=False, block_size=self.block_size)
         gen, prefill = eng.rates()
         spec = eng.speculator
+        pipe = self.pipeline_stats()
         return BackendStats(
+            **({} if pipe is None else {
+                "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],
+                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"]}),
             **({} if spec is None else {
                 "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
                 "drafted_by_position": list(spec.drafted_by_position),

@@ -90,6 +90,10 @@ class BackendStats(msgspec.Struct):
     steps_by_k: list[int] = []  # cumulative decode steps at each K (index = K)
     drafted_by_position: list[int] = []  # cumulative; index 0 is draft position 1
     accepted_by_position: list[int] = []
+    pipeline_transport: str = ""  # pipelined engine: how activations move between stages ("" = no pipeline)
+    pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops
+    pipeline_transfer_bytes: int = 0  # cumulative
+    pipeline_tokens: int = 0  # tokens that crossed the pipeline (per-token cost = seconds / tokens)
 
 
 class BlockEvent(msgspec.Struct):
