@@ -1,0 +1,412 @@
+"""Routing comparison (issue 6): one synthetic agent trace replayed against Pulse's router and three baselines.
+
+One `pulse serve --workers N` per strategy (routing.strategy = pulse | round_robin | least_loaded |
+session_sticky), all started up front (their workers share the memory-mapped weights), real engine workers
+with small KV budgets so caches evict. Per repeat every strategy replays the trace once, interleaved and
+rotated per the protocol; warm-up repeats are discarded.
+
+The trace: `sessions` agent sessions run concurrently, each `turns` turns in order (`x-session-id` set,
+a think time before each turn); every prompt starts with one shared system prompt; each turn appends a user
+message, the assistant's previous message stays in the history (a fixed synthetic text, so the trace is the
+same for every strategy whatever the model answers); now and then a turn edits a message in the middle of
+the history (everything after it changes). Short answers (max_tokens 4, temperature 0). Every run gets its
+own salt at the head of the system prompt, so no run is served from an earlier run's cache.
+
+Per run: TTFT p50/p99 (first streamed content); prefix hit rate = sum cached_tokens / sum prompt_tokens (from
+usage); the oracle's hit rate (see `oracle_hits`) and hit/oracle; load = requests per worker (x-pulse-worker)
+max over mean; router decision p99 from the gateway's pulse_router_decision_seconds histogram (interpolated
+within its bucket) and the share of decisions <= 1 ms (exact: 1 ms is a bucket bound); goodput = successful
+requests/s; rejections = 429 + 503 answers.
+
+    python -m bench.routing --repeats 5 --warmup 1
+
+Memory: each `pulse serve` is its own Ray instance (~1.5 GB) and each CPU engine worker took ~1 GB here, so
+four servers of four workers (16 workers) ran the 24 GiB box out of memory (Ray's OOM killer restarted
+workers mid-run; those figures were thrown away). On that box compare in pairs, round-robin beside Pulse:
+`--strategies pulse round_robin`, then `--strategies least_loaded session_sticky`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import loops, protocol
+from bench.loadgen import event_content
+from bench.machine import describe, machine_info
+from bench.procs import Proc, free_port, python_module
+from cache.hashing import ROOT_HASH, block_hash
+from pulse import doctor
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STRATEGIES = ["pulse", "round_robin", "least_loaded", "session_sticky"]
+GOAL_TTFT_X, GOAL_HIT_VS_ORACLE, GOAL_LOAD, GOAL_DECISION_MS = 3.0, 0.9, 1.5, 1.0
+TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "rr_ttft_p50_over", "hit_rate", "oracle_hit_rate", "hit_vs_oracle",
+                 "load_max_over_mean", "decision_p99_ms", "decisions_le_1ms", "goodput_req_s", "rejections", "errors"]
+PLOT_METRICS = ["ttft_p50_ms", "hit_vs_oracle", "load_max_over_mean", "goodput_req_s"]
+WORDS = ("def class return import self value config worker request cache block token prefix route load queue "
+         "session prompt test assert error retry stream buffer index redis engine schedule batch decode prefill "
+         "latency budget policy score hash chain evict metric span trace gateway replica server client file "
+         "patch diff line function module package build run check fix update refactor parse render").split()
+
+
+# ---- the trace ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TraceSpec:
+    sessions: int = 8
+    turns: int = 5
+    system_words: int = 180  # the shared system prompt (~1.3 tokens a word)
+    user_words: tuple[int, int] = (14, 28)
+    answer_words: tuple[int, int] = (8, 16)
+    edit_prob: float = 0.2  # chance a turn (from the 3rd on) rewrites a message in the middle of the history
+    think_s: tuple[float, float] = (0.3, 1.0)
+    seed: int = 1
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+def _user(rng: random.Random, spec: TraceSpec, head: str) -> dict:
+    return {"role": "user", "content": f"{head} " + _text(rng, rng.randint(*spec.user_words))}
+
+
+def build_trace(spec: TraceSpec, salt: str) -> list[list[tuple[float, list[dict]]]]:
+    """Per session, its turns in order as (think seconds, messages). Same seed: same words, whatever the salt."""
+    rng = random.Random(spec.seed)
+    system = {"role": "system", "content": f"[{salt}] You are a coding agent. " + _text(rng, spec.system_words)}
+    sessions = []
+    for s in range(spec.sessions):
+        history: list[dict] = []
+        turns = []
+        for t in range(spec.turns):
+            users = [i for i, m in enumerate(history) if m["role"] == "user"]
+            if t >= 2 and rng.random() < spec.edit_prob:
+                j = users[len(users) // 2]  # a message in the middle: the agent rewrote what it showed there
+                history[j] = _user(rng, spec, f"(edited) session {s}:")
+            history.append(_user(rng, spec, f"session {s} turn {t}:"))
+            turns.append((rng.uniform(*spec.think_s), [system, *history]))
+            history = history + [{"role": "assistant", "content": _text(rng, rng.randint(*spec.answer_words))}]
+        sessions.append(turns)
+    return sessions
+
+
+def oracle_hits(prompts: Sequence[Sequence[int]], block: int, capacity_blocks: int) -> list[int]:
+    """Cached tokens an oracle gets per prompt, prompts in the order they were sent.
+
+    The oracle is one LRU cache of `capacity_blocks` (all workers' KV budgets pooled) holding the full blocks
+    of every earlier prompt of this run; a prompt's hit is its longest run of leading blocks in that cache,
+    leaving at least one token to compute (as the engine does). Blocks of generated tokens are not counted.
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    out = []
+    for ids in prompts:
+        hashes, parent = [], ROOT_HASH
+        for i in range(len(ids) // block):
+            parent = block_hash(parent, tuple(ids[i * block:(i + 1) * block]))
+            hashes.append(parent)
+        usable = hashes[:(len(ids) - 1) // block]
+        hit = next((i for i, h in enumerate(usable) if h not in cache), len(usable))
+        out.append(hit * block)
+        for h in hashes:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return out
+
+
+def prompt_builder():
+    """The gateway's own templating and tokenizer (gateway/ingress.py), so token counts match the server's."""
+    from gateway.openai_types import Message
+    from gateway.prompt import PromptBuilder
+    from workers.protocol.model import load_model_info, load_tokenizer
+
+    info = load_model_info(None)
+    builder = PromptBuilder(load_tokenizer(None), architecture=info.architecture, bos_token_id=info.bos_token_id,
+                            add_bos=info.add_bos, template=info.chat_template)
+    return lambda msgs: builder.chat([Message(role=m["role"], content=m["content"]) for m in msgs]).ids
+
+
+# ---- one replay --------------------------------------------------------------------------------------------
+
+async def send(session: aiohttp.ClientSession, base: str, model: str, messages: list[dict], sid: str,
+               max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    rec = {"sent": time.perf_counter(), "status": 0, "ttft": None, "worker": None, "prompt": 0, "cached": 0,
+           "error": None, "messages": messages}
+    try:
+        async with session.post(base + "/v1/chat/completions", json=body, headers={"x-session-id": sid}) as resp:
+            rec["status"], rec["worker"] = resp.status, resp.headers.get("x-pulse-worker")
+            if resp.status != 200:
+                await resp.read()
+                return rec
+            async for line in resp.content:
+                if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
+                    continue
+                event = msgspec.json.decode(data)
+                if "error" in event:
+                    rec["error"] = "stream_error"
+                text, _ = event_content(event)
+                if text and rec["ttft"] is None:
+                    rec["ttft"] = time.perf_counter() - rec["sent"]
+                if usage := event.get("usage"):
+                    rec["prompt"] = usage["prompt_tokens"]
+                    rec["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        rec["error"] = type(exc).__name__
+    if rec["ttft"] is None and rec["error"] is None:
+        rec["error"] = "no_content"
+    return rec
+
+
+async def replay(base: str, model: str, trace, salt: str, max_tokens: int, timeout: float) -> tuple[list[dict], float]:
+    records: list[dict] = []
+
+    async def one_session(i: int, turns) -> None:
+        for think, msgs in turns:  # turns in order: an agent waits for its answer, thinks, sends the next
+            await asyncio.sleep(think)
+            records.append(await send(http, base, model, msgs, f"{salt}-s{i}", max_tokens))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(one_session(i, t) for i, t in enumerate(trace)))
+        return records, time.perf_counter() - start
+
+
+# ---- the gateway's own figures -----------------------------------------------------------------------------
+
+async def decision_buckets(base: str) -> dict[float, float]:
+    """{le: cumulative count} of pulse_router_decision_seconds, summed over replicas."""
+    async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
+        text = await r.text()
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "pulse_router_decision_seconds":
+            for s in fam.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float],
+                    q: float) -> tuple[float | None, float | None]:
+    """(q-quantile in seconds, share <= 1 ms) of the decisions made between two scrapes.
+
+    The quantile is interpolated linearly inside its bucket, as Prometheus' histogram_quantile does.
+    """
+    bounds = sorted(after)
+    cum = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = cum[-1] if cum else 0.0
+    if total <= 0:
+        return None, None
+    share = next((c for b, c in zip(bounds, cum) if b >= 1e-3), total) / total
+    rank, lo, prev = q * total, 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        if c >= rank:
+            if b == float("inf"):
+                return lo, share  # past the last finite bound: report that bound (a lower bound)
+            return lo + (b - lo) * ((rank - prev) / (c - prev) if c > prev else 1.0), share
+        lo, prev = b, c
+    return None, share
+
+
+# ---- one measured run --------------------------------------------------------------------------------------
+
+def run_metrics(recs: list[dict], wall: float, workers: list[str], oracle: list[int], decision) -> dict:
+    good = [r["status"] == 200 and r["error"] is None for r in recs]
+    ok = [r for r, g in zip(recs, good) if g]
+    ttft = [r["ttft"] for r in ok]
+    per_worker = Counter(r["worker"] for r in ok)
+    loads = [per_worker.get(w, 0) for w in workers]
+    prompt = sum(r["prompt"] for r in ok)
+    hit = sum(r["cached"] for r in ok) / prompt if prompt else None
+    oracle_rate = sum(o for o, g in zip(oracle, good) if g) / sum(len(r["ids"]) for r in ok) if ok else None
+    q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else None
+    return {
+        "ttft_p50_ms": statistics.median(ttft) * 1000 if ttft else None,
+        "ttft_p99_ms": q[98] * 1000 if q else None,
+        "hit_rate": hit,
+        "oracle_hit_rate": oracle_rate,
+        "hit_vs_oracle": hit / oracle_rate if hit is not None and oracle_rate else None,
+        "load_max_over_mean": max(loads) / statistics.mean(loads) if sum(loads) else None,
+        "decision_p99_ms": decision[0] * 1000 if decision[0] is not None else None,
+        "decisions_le_1ms": decision[1],
+        "goodput_req_s": len(ok) / wall,
+        "rejections": sum(r["status"] in (429, 503) for r in recs),
+        "errors": sum(r["status"] not in (200, 429, 503) or r["error"] is not None for r in recs),
+        "requests": len(recs),
+    }
+
+
+def make_measure(args, target: dict, counter, encode):
+    async def measure() -> dict:
+        salt = f"run {next(counter):03d}"
+        trace = build_trace(args.trace, salt)
+        before = await decision_buckets(target["base"])
+        recs, wall = await replay(target["base"], target["model"], trace, salt, args.max_tokens, args.timeout)
+        decision = bucket_quantile(before, await decision_buckets(target["base"]), 0.99)
+        recs.sort(key=lambda r: r["sent"])
+        for r in recs:
+            r["ids"] = encode(r.pop("messages"))
+        oracle = oracle_hits([r["ids"] for r in recs], args.block_size, args.kv_blocks * args.workers)
+        mismatched = sum(r["status"] == 200 and r["prompt"] != len(r["ids"]) for r in recs)
+        detail = {"per_worker": dict(Counter(r["worker"] for r in recs)),
+                  "statuses": dict(Counter(r["status"] for r in recs)), "prompt_token_mismatches": mismatched,
+                  "wall_s": wall,
+                  "cached": [r["cached"] for r in recs], "oracle": oracle, "prompt": [len(r["ids"]) for r in recs]}
+        return {"metrics": run_metrics(recs, wall, target["workers"], oracle, decision), **detail}
+    return measure
+
+
+# ---- servers -----------------------------------------------------------------------------------------------
+
+def server_config(args, strategy: str, port: int, log_dir: Path) -> Path:
+    cfg = {
+        "server": {"port": port},
+        "workers": {"backend": "cupy", "count": args.workers,
+                    "engine": {"max_num_seqs": args.max_num_seqs, "kv_blocks": args.kv_blocks,
+                               "block_size": args.block_size, "speculation": False}},
+        "routing": {"strategy": strategy},
+        "keys": {"file": str(log_dir / f"keys-{strategy}.json")},  # open on loopback: no key store of the user's
+        "telemetry": {"log_level": "WARNING"},
+    }
+    path = log_dir / f"pulse-{strategy}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_servers(args, log_dir: Path, procs: list[Proc]) -> dict[str, dict]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    bases = {}
+    for strategy in args.strategies:
+        port = free_port()
+        cfg = server_config(args, strategy, port, log_dir)
+        procs.append(Proc(strategy, python_module("pulse.cli", "serve", "--config", str(cfg)), log_dir, env))
+        bases[strategy] = f"http://127.0.0.1:{port}"
+        time.sleep(args.stagger)  # Ray clusters starting at the same instant contend for the 2 cores
+    targets = {}
+    for proc, (strategy, base) in zip(procs, bases.items()):
+        proc.wait_healthy(base + "/health", timeout=args.start_timeout)
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            model = json.load(r)["data"][0]["id"]
+        with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
+            workers = sorted(w["worker_id"] for w in json.load(r)["workers"])
+        if len(workers) != args.workers:
+            raise RuntimeError(f"{strategy}: {len(workers)} workers, expected {args.workers}")
+        targets[strategy] = {"base": base, "model": model, "workers": workers}
+    return targets
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+
+def derive(records: Sequence[dict]) -> list[dict]:
+    """Round-robin's TTFT p50 over each strategy's, paired within a repeat."""
+    out = []
+    for repeat, cfgs in protocol.by_repeat(records).items():
+        rr = cfgs.get("round_robin", {}).get("ttft_p50_ms")
+        for cfg, m in cfgs.items():
+            if rr and m.get("ttft_p50_ms"):
+                out.append({"phase": "measure", "repeat": repeat, "config": cfg,
+                            "metrics": {"rr_ttft_p50_over": rr / m["ttft_p50_ms"]}})
+    return out
+
+
+def verdict(summary: dict) -> list[str]:
+    s = summary.get("pulse", {})
+    lines = []
+    for key, goal, better, label in (("rr_ttft_p50_over", GOAL_TTFT_X, ">=", "TTFT p50 round-robin / pulse"),
+                                     ("hit_vs_oracle", GOAL_HIT_VS_ORACLE, ">=", "prefix hits / oracle's"),
+                                     ("load_max_over_mean", GOAL_LOAD, "<=", "busiest worker's requests / mean"),
+                                     ("decision_p99_ms", GOAL_DECISION_MS, "<=", "router decision p99 ms")):
+        if key not in s:
+            lines.append(f"MISS pulse: {label}: not measured")
+            continue
+        med = s[key]["median"]
+        ok = med >= goal if better == ">=" else med <= goal
+        lines.append(f"{'MET ' if ok else 'MISS'} pulse: {label} median {med:.3f} "
+                     f"({s[key]['min']:.3f}-{s[key]['max']:.3f}; goal {better} {goal:g})")
+    return lines
+
+
+def report(args, records, targets, machine, started) -> None:
+    summary = protocol.summarize(records)
+    for cfg, ms in protocol.summarize(derive(records)).items():
+        summary.setdefault(cfg, {}).update(ms)
+    summary = {s: summary[s] for s in args.strategies if s in summary}
+    params = {k: v for k, v in vars(args).items() if k != "trace"} | {"trace": asdict(args.trace), "targets": targets}
+    doc = protocol.result_document("routing", records, summary, params, started, machine)
+    doc["verdict"] = verdict(summary)
+    table = protocol.markdown_table(summary, TABLE_METRICS, digits=2)
+    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
+    print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n\n" + "\n".join(doc["verdict"]))
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--kv-blocks", type=int, default=80, help="KV blocks per worker (small: caches evict)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=2, help="running sequences per worker")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--sessions", type=int, default=TraceSpec.sessions)
+    ap.add_argument("--turns", type=int, default=TraceSpec.turns)
+    ap.add_argument("--system-words", type=int, default=TraceSpec.system_words)
+    ap.add_argument("--edit-prob", type=float, default=TraceSpec.edit_prob)
+    ap.add_argument("--seed", type=int, default=TraceSpec.seed)
+    ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--stagger", type=float, default=5.0, help="seconds between starting the servers")
+    ap.add_argument("--start-timeout", type=float, default=420.0)
+    protocol.add_arguments(ap, RESULTS)
+    args = ap.parse_args(argv)
+    args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
+                           edit_prob=args.edit_prob, seed=args.seed)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally stops the servers
+    found = doctor.findings(doctor.take_readings(0.5))
+    print(doctor.table(found), file=sys.stderr)
+    machine, started = machine_info() | {"doctor": [asdict(f) for f in found]}, time.time()
+    log_dir = args.out / f"logs-routing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
+    encode, counter, procs = prompt_builder(), itertools.count(), []
+    try:
+        targets = start_servers(args, log_dir, procs)
+        print(f"servers up after {time.time() - started:.0f} s", file=sys.stderr)
+        runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
+        records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet))
+        report(args, records, targets, machine, started)
+    finally:
+        for proc in reversed(procs):
+            if leftovers := proc.stop():
+                print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
