@@ -28,7 +28,7 @@ from pathlib import Path
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import describe, machine_info
-from bench.procs import Proc, cpu_ticks, free_port, python_module
+from bench.procs import Proc, cpu_ticks, free_port, python_module, stop_all
 from pulse import doctor
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -195,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
         report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
     finally:
-        for proc in reversed(procs):
-            if leftovers := proc.stop():
-                print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)
+        stop_all(procs)
         signal.signal(signal.SIGTERM, previous)
     return 0
 

@@ -189,3 +189,10 @@ def _signal_group(pid: int, sig: int) -> None:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def stop_all(procs: list) -> None:
+    """Stop what a benchmark started, last first, and say what any of them left behind (and was killed)."""
+    for proc in reversed(procs):
+        if leftovers := proc.stop():
+            print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)

@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import loops, protocol
 from bench.loadgen import event_content
 from bench.machine import describe, machine_info
-from bench.procs import Proc, free_port, python_module
+from bench.procs import Proc, free_port, python_module, stop_all
 from cache.hashing import ROOT_HASH, block_hash
 from pulse import doctor
 
@@ -401,9 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet))
         report(args, records, targets, machine, started)
     finally:
-        for proc in reversed(procs):
-            if leftovers := proc.stop():
-                print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)
+        stop_all(procs)
         signal.signal(signal.SIGTERM, previous)
     return 0
 
