@@ -105,7 +105,9 @@ class WorkerPool:
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
-    async def _poll(self, w: WorkerState) -> None:
+    async def _poll(self, w: WorkerState, rediscover: bool = True) -> None:
+        """Refresh one worker's load and health (and its block events); a failure marks it unhealthy and,
+        unless this poll is itself part of a rediscovery, looks the worker up again."""
         assert self._session is not None
         try:
             async with self._session.get(w.info.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
@@ -117,7 +119,8 @@ class WorkerPool:
                 await self._pull_blocks(w)
         except (aiohttp.ClientError, asyncio.TimeoutError, BackendError, OSError):
             w.healthy = False
-            self._schedule_rediscover(w.worker_id)
+            if rediscover:
+                self._schedule_rediscover(w.worker_id)
 
     async def _pull_blocks(self, w: WorkerState) -> None:
         assert self._session is not None
@@ -142,22 +145,13 @@ class WorkerPool:
                 for info in await self._discover(worker_id):
                     state = self.workers.setdefault(info.worker_id, WorkerState(info))
                     state.info = info
-                    await self._poll_no_rediscover(state)
+                    await self._poll(state, rediscover=False)
             except Exception as e:  # the worker may still be restarting: the next poll tries again
                 log.info("rediscovery of %s failed: %s", worker_id, e)
             finally:
                 self._rediscovering.discard(worker_id)
 
         asyncio.get_running_loop().create_task(run())
-
-    async def _poll_no_rediscover(self, w: WorkerState) -> None:
-        assert self._session is not None
-        try:
-            async with self._session.get(w.info.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                w.stats = stats_decoder.decode(await r.read())
-                w.healthy = r.status == 200 and w.stats.healthy
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            w.healthy = False
 
     def record_failure(self, w: WorkerState) -> None:
         w.failures += 1

@@ -14,6 +14,7 @@ prefix hits: load and session affinity only, and `index_ok` is False (count it i
 from __future__ import annotations
 
 import itertools
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ class RouteResult:
     index_ok: bool  # False: the index could not answer; routed on load alone
     decision: RouteDecision
     hashes: list[int] | None = None  # the prompt's full-block hashes (what the chosen worker will hold)
+    lookup_s: float = 0.0  # time spent hashing the prompt and asking the index
 
 
 class PrefixRouter:
@@ -50,7 +52,9 @@ class PrefixRouter:
 
     async def choose(self, workers: Sequence, gen) -> RouteResult:
         """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
+        t0 = time.perf_counter()
         hits, index_ok, hashes = await self._hits(workers, gen.prompt_ids, gen.session_id)
+        lookup_s = time.perf_counter() - t0
         loads = [load_of(w) for w in workers]
         session = gen.session_id
         request = RouteRequest(
@@ -64,7 +68,7 @@ class PrefixRouter:
         chosen = next((w for w in workers if w.worker_id == decision.worker_id), None)
         if session and chosen is not None:
             self._remember(session, chosen.worker_id)
-        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes)
+        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes, lookup_s)
 
     async def _hits(self, workers: Sequence, prompt_ids: list[int],
                     session: str | None) -> tuple[dict[str, int], bool, list[int] | None]:
