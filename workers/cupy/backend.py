@@ -138,7 +138,7 @@ class EngineBackend(Backend):
                 "accepted_by_position": list(spec.accepted_by_position)}),
             running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
             slots=eng.scheduler.max_num_seqs, kv_blocks_total=eng.blocks.num_blocks,
-            kv_blocks_used=eng.blocks.num_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
+            kv_blocks_used=eng.blocks.pressure_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
             prefill_tokens_per_s=prefill, preemptions=eng.scheduler.preemptions, healthy=self._healthy,
         )
 

@@ -3,6 +3,10 @@
 Every scheduled sequence contributes a run of query tokens (a prefill chunk, one decode token, or later
 K+1 positions to verify drafts); the runs are concatenated. Host (NumPy) copies of the attention metadata
 stay for the NumPy ops and for kernel launch sizes; `xp` copies go to the device once per step.
+
+With two KV pools (kv_cache.py) the sliding-window layers have their own block tables and slots
+(`local_meta`, `local_slot_mapping`): the same logical layout, blocks of the local pool, and block 0 where
+a block slid out of the window (never read: attention starts at the window).
 """
 from __future__ import annotations
 
@@ -30,6 +34,14 @@ class StepBatch:
     meta: AttentionMeta
     sample_rows: list[int]  # for each logits row, the index of its sequence in the batch
     num_tokens: int
+    local_slot_mapping: object = None  # (T,) int64: the sliding-window layers' slots (two pools), else None
+    local_meta: AttentionMeta | None = None
+
+    def kv_args(self, is_global: bool):
+        """(slot mapping, attention metadata) for a layer of this kind."""
+        if is_global or self.local_meta is None:
+            return self.slot_mapping, self.meta
+        return self.local_slot_mapping, self.local_meta
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
@@ -39,11 +51,13 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
 
     `drafts` (speculation): {batch index: draft tokens} that follow that sequence's known tokens in this
     step; its last known token and every draft token then get a logits row (`n` counts the drafts too)."""
-    tokens, positions, slots, logits_rows, sample_rows = [], [], [], [], []
+    tokens, positions, slots, local_slots, logits_rows, sample_rows = [], [], [], [], [], []
     query_start = np.zeros(len(scheduled) + 1, np.int32)
     seq_lens = np.zeros(len(scheduled), np.int32)
     max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
     tables = np.zeros((len(scheduled), max_blocks), np.int32)
+    two_pools = any(seq.local_table for seq, _ in scheduled)
+    local_tables = np.zeros_like(tables) if two_pools else None
     for b, (seq, n) in enumerate(scheduled):
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int64)
@@ -55,11 +69,21 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
         query_start[b + 1] = query_start[b] + n
         seq_lens[b] = start + n
         tables[b, : table.size] = table
+        if two_pools:
+            ltable = np.asarray(seq.local_table, np.int64)
+            written = ltable[pos // block_size]
+            assert written.size == 0 or written.min() >= 0, "a local block the step writes was released"
+            local_slots.append(written * block_size + pos % block_size)
+            local_tables[b, : ltable.size] = np.maximum(ltable, 0)
         if start + n == len(seq.token_ids) + len(draft):
             last = int(query_start[b + 1])
             logits_rows += range(last - 1 - len(draft), last)
             sample_rows += [b] * (1 + len(draft))
     meta = AttentionMeta(query_start, seq_lens, tables, block_size)
+    local = {}
+    if two_pools:
+        local = {"local_slot_mapping": xp.asarray(np.concatenate(local_slots)),
+                 "local_meta": AttentionMeta(query_start, seq_lens, local_tables, block_size)}
     return StepBatch(
         token_ids=xp.asarray(np.concatenate(tokens)),
         positions=xp.asarray(np.concatenate(positions).astype(np.int32)),
@@ -68,4 +92,5 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
         meta=meta,
         sample_rows=sample_rows,
         num_tokens=int(query_start[-1]),
+        **local,
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.cupy.batch import build_batch
-from workers.cupy.kv_cache import BlockManager, KVStorage
+from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
 from workers.cupy.sampler import Sampler, SampleRow, uniform_for
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import Sequence, SeqStatus
@@ -169,17 +169,20 @@ class Engine:
 
 def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, max_num_seqs: int,
                   max_step_tokens: int, context_length: int, block_sink=None, ops=None,
-                  dtype: str = "float32", seed: int | None = None, model=None) -> Engine:
+                  dtype: str = "float32", seed: int | None = None, model=None, window_pool: bool = True) -> Engine:
     """An engine for the model `info` describes, with its weights (host arrays by GGUF name) on `xp`.
 
     `model`: an already built model to share (several engines over one set of device weights).
+    `num_blocks`: the KV budget in all-layer blocks; with `window_pool` the sliding-window layers get their
+    own, smaller pool and the rest of those bytes go to the global layers (kv_cache.plan_pools).
     """
     from workers.cupy.models import build_model
     from workers.cupy.ops import Ops
 
     model = model or build_model(info, weights, ops or Ops(xp), dtype)
-    kv = model.kv_storage(num_blocks, block_size, dtype)
-    blocks = BlockManager(num_blocks, block_size, block_sink)
+    plan = plan_for(model.cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
+    kv = model.kv_storage(plan.num_global, block_size, dtype, num_local=plan.num_local)
+    blocks = BlockManager.from_plan(plan, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     return Engine(model, kv, blocks, scheduler, Sampler(xp), info.eos_token_ids, context_length,
                   info.vocab_size, seed)

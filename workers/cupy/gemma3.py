@@ -91,9 +91,12 @@ class Gemma3:
             "post_ffn_norm": get("post_ffw_norm"),
         }
 
-    def kv_storage(self, num_blocks: int, block_size: int, dtype: str = "float32") -> KVStorage:
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str = "float32",
+                   num_local: int | None = None) -> KVStorage:
+        """num_local None: one pool for every layer; else the sliding-window layers' own pool (kv_cache.py)."""
         c = self.cfg
-        return KVStorage(self.xp, c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
+        return KVStorage(self.xp, c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype,
+                         is_global=[c.is_global(i) for i in range(c.n_layers)], num_local=num_local)
 
     def forward(self, batch: StepBatch, kv: KVStorage):
         """Logits (rows of batch.logits_indices, vocab) for one step; writes the step's K/V into `kv`."""
@@ -117,9 +120,10 @@ class Gemma3:
         k = ops.rms_norm(qkv[:, nq : nq + nk].reshape(t, c.n_kv_heads, c.head_dim), lw["k_norm"], c.eps)
         v = qkv[:, nq + nk :].reshape(t, c.n_kv_heads, c.head_dim)
         q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
-        ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
+        slots, meta = batch.kv_args(is_global)  # sliding-window layers may have their own pool's blocks
+        ops.write_kv(kv.k[i], kv.v[i], k, v, slots)
         window = None if is_global else c.window
-        attn = ops.attention(q, kv.k[i], kv.v[i], batch.meta, c.query_scale, window)
+        attn = ops.attention(q, kv.k[i], kv.v[i], meta, c.query_scale, window)
         x = x + ops.rms_norm(ops.linear(attn.reshape(t, nq), lw["o"]), lw["post_attn_norm"], c.eps)
         gate_up = ops.linear(ops.rms_norm(x, lw["ffn_norm"], c.eps), lw["gate_up"])
         mlp = ops.gelu_tanh_mul(gate_up[:, : c.ffn], gate_up[:, c.ffn :])

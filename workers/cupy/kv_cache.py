@@ -6,6 +6,19 @@ so a new request whose prompt starts with cached blocks attaches them (reference
 recomputing them. Blocks nobody references but that still hold a hashed prefix stay cached and are
 evicted least-recently-used first, only when a fresh block is needed. Additions and evictions are
 reported to the block sink as BlockEvents (the prefix index), once per engine step.
+
+Two pools for models with sliding-window layers (Gemma 3: 5 of 6 layers see only the last 512 tokens):
+- the global pool holds the global layers' K/V for every block of a context, as above;
+- the local pool holds the sliding-window layers' K/V only for blocks a query can still read: the window
+  behind the next position to compute, plus the blocks this step writes. A sequence's local table has the
+  same logical index as its block table (block i = positions [i*bs, (i+1)*bs)), with -1 where a block slid
+  out, so the attention kernels index both tables the same way. A block that slides out goes back to the
+  local pool's LRU with its hash: a later request can still use it until it is reclaimed.
+The same hash chain keys both pools. A prefix hit of L tokens needs global blocks for [0, L) and local
+blocks for the window the first new query reads, [L - window + 1, L); match_prefix takes the longest L with
+both. Block events describe the global pool: a global eviction ends a chain for good, while a local
+eviction only shortens hits ending near that block (the LRU keeps the tails of recent chains, which is
+where a continuing conversation hits), so reporting it would make the router under-count the usual hit.
 """
 from __future__ import annotations
 
@@ -18,18 +31,70 @@ from workers.protocol import BlockEvent, BlockSink
 
 
 class KVStorage:
-    """K and V arrays, each (layers, blocks, block_size, kv_heads, head_dim), on the engine's device."""
+    """K and V on the engine's device, one (blocks, block_size, kv_heads, head_dim) array per layer in `k` and
+    `v`: views into one array per pool, (layers of the pool, blocks, ...). Without `is_global`, every layer
+    is in one pool (one block table for all layers). `extra` blocks at the end of each pool are scratch."""
 
     def __init__(self, xp, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype="float32"):
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        # zeros, not empty: padded attention reads of unused slots must not see NaN garbage
-        self.k = xp.zeros(shape, dtype)
-        self.v = xp.zeros(shape, dtype)
+                 dtype="float32", *, is_global=None, num_local: int | None = None, extra: int = 0):
+        is_global = [True] * n_layers if is_global is None else list(is_global)
+        assert len(is_global) == n_layers
+        n_global = sum(is_global)
+        self.num_global, self.num_local = num_blocks, num_blocks if num_local is None else num_local
+        if num_local is None:  # one pool: local layers share the global layers' blocks
+            is_global = [True] * n_layers
+            n_global = n_layers
+
+        def pool(n, blocks):  # zeros, not empty: padded attention reads of unused slots must not see NaN garbage
+            shape = (n, blocks + extra, block_size, n_kv_heads, head_dim)
+            return xp.zeros(shape, dtype), xp.zeros(shape, dtype)
+
+        self.global_k, self.global_v = pool(n_global, num_blocks)
+        self.local_k, self.local_v = pool(n_layers - n_global, self.num_local)
+        gi, li = iter(range(n_global)), iter(range(n_layers - n_global))
+        index = [(True, next(gi)) if g else (False, next(li)) for g in is_global]
+        self.k = [(self.global_k if g else self.local_k)[j] for g, j in index]
+        self.v = [(self.global_v if g else self.local_v)[j] for g, j in index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.global_k, self.global_v, self.local_k, self.local_v))
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
         return 2 * n_layers * n_kv_heads * head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Block counts of the two pools; window None: one pool (every layer uses the global block table)."""
+
+    num_global: int
+    num_local: int | None
+    window: int | None
+
+
+def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, max_num_seqs: int,
+               max_step_tokens: int, enabled: bool = True) -> PoolPlan:
+    """Split a budget of `num_blocks` all-layer blocks (the profile's KV tokens / block size) into the two
+    pools, at the same bytes. The local pool gets what the running batch can hold at once: per sequence
+    the window plus the blocks its position and a chunk straddle (window/bs + 3), plus the step's token
+    budget; every block it does not need goes to the global pool, n_layers/n_global times over."""
+    is_global = list(is_global)
+    n_layers, n_global = len(is_global), sum(is_global)
+    if not enabled or not window or n_global in (0, n_layers):
+        return PoolPlan(num_blocks, None, None)
+    step = max(max_step_tokens, max_num_seqs)
+    local = min(num_blocks, max_num_seqs * (-(-window // block_size) + 3) + -(-step // block_size))
+    glob = (num_blocks * n_layers - local * (n_layers - n_global)) // n_global
+    return PoolPlan(glob, local, window)
+
+
+def plan_for(cfg, num_blocks: int, block_size: int, max_num_seqs: int, max_step_tokens: int,
+             enabled: bool = True) -> PoolPlan:
+    """plan_pools for a model config with `n_layers`, `is_global(layer)` and `window`."""
+    return plan_pools(num_blocks, block_size, [cfg.is_global(i) for i in range(cfg.n_layers)],
+                      getattr(cfg, "window", None), max_num_seqs, max_step_tokens, enabled)
 
 
 @dataclass
@@ -40,20 +105,79 @@ class _Block:
     tokens: tuple[int, ...] | None = None  # its tokens, to rule out a hash collision on reuse
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, block_sink: BlockSink | None = None):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing reusable
-        self._cached_free: OrderedDict[int, None] = OrderedDict()  # unreferenced but hashed; oldest first
-        self._by_hash: dict[int, int] = {}
-        self._sink = block_sink
-        self._added: list[int] = []
-        self._evicted: list[int] = []
+class _Pool:
+    """One pool's blocks: free ones, cached (unreferenced, hashed; LRU order) ones, and the hash index."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self.free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing reusable
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # unreferenced but hashed; oldest first
+        self.by_hash: dict[int, int] = {}
+        self.evicted: list[int] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._cached_free)
+        return len(self.free) + len(self.cached_free)
+
+    def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
+        bid = self.by_hash.get(h)
+        return bid if bid is not None and self.blocks[bid].tokens == tokens else None
+
+    def ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            self.cached_free.pop(bid, None)
+        block.ref_count += 1
+
+    def register(self, bid: int, h: int, tokens: tuple[int, ...]) -> bool:
+        """Name a full block by its hash; False when the hash is already cached (the first copy stays)."""
+        block = self.blocks[bid]
+        if h in self.by_hash or block.hash is not None:
+            return False
+        block.hash, block.tokens = h, tokens
+        self.by_hash[h] = bid
+        return True
+
+    def release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.cached_free[bid] = None
+            else:
+                self.free.append(bid)
+
+    def take(self) -> int:
+        if self.free:
+            bid = self.free.popleft()
+        else:
+            bid, _ = self.cached_free.popitem(last=False)
+            block = self.blocks[bid]
+            del self.by_hash[block.hash]
+            self.evicted.append(block.hash)
+            block.hash, block.tokens = None, None
+        self.blocks[bid].ref_count = 1
+        return bid
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, block_sink: BlockSink | None = None,
+                 num_local: int | None = None, window: int | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.glob = _Pool(num_blocks)
+        self.local = _Pool(num_local) if window and num_local is not None else None
+        self.window = window if self.local is not None else None
+        self._sink = block_sink
+        self._added: list[int] = []
+
+    @classmethod
+    def from_plan(cls, plan: PoolPlan, block_size: int, block_sink: BlockSink | None = None) -> BlockManager:
+        return cls(plan.num_global, block_size, block_sink, plan.num_local, plan.window)
+
+    @property
+    def num_free(self) -> int:
+        return self.glob.num_free
 
     @property
     def num_used(self) -> int:
@@ -61,7 +185,23 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        return len(self._by_hash)
+        return len(self.glob.by_hash)
+
+    @property
+    def num_local_used(self) -> int:
+        return 0 if self.local is None else self.local.num_blocks - self.local.num_free
+
+    @property
+    def pressure_used(self) -> int:
+        """Used blocks as the worker reports them (of num_blocks): the fuller pool's share, so free
+        capacity is never over-stated when the running batch fills the local pool first."""
+        if self.local is None or not self.local.num_blocks:
+            return self.num_used
+        return max(self.num_used, -(-self.num_local_used * self.num_blocks // self.local.num_blocks))
+
+    def first_needed(self, pos: int) -> int:
+        """The first block a query at `pos` reads on sliding-window layers."""
+        return max(0, pos - self.window + 1) // self.block_size
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks that start `seq`'s tokens; returns the tokens they cover.
@@ -69,93 +209,116 @@ class BlockManager:
         At least one token is always left to compute: the next token needs its logits.
         """
         assert not seq.block_table, "prefix matching is for a sequence without blocks"
-        bs, parent = self.block_size, ROOT_HASH
+        bs, parent, chain = self.block_size, ROOT_HASH, []
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
-            bid = self._by_hash.get(h)
-            if bid is None or self._blocks[bid].tokens != tokens:
+            if self.glob.lookup(h, tokens) is None:
                 break
-            self._ref(bid)
+            chain.append((h, tokens))
+            parent = h
+        n = self._local_hit(chain) if self.local is not None else len(chain)
+        for h, tokens in chain[:n]:
+            bid = self.glob.by_hash[h]
+            self.glob.ref(bid)
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
-            parent = h
-        seq.num_computed = len(seq.block_table) * bs
+        if self.local is not None:
+            first = self.first_needed(n * bs)
+            seq.local_table = [-1] * first
+            for h, _ in chain[first:n]:
+                bid = self.local.by_hash[h]
+                self.local.ref(bid)
+                seq.local_table.append(bid)
+            seq.local_start = first
+        seq.num_computed = n * bs
         return seq.num_computed
+
+    def _local_hit(self, chain: list) -> int:
+        """The most blocks of `chain` (all in the global pool) whose local window is cached too."""
+        run = 0  # cached local blocks ending at block i
+        best = 0
+        for i, (h, tokens) in enumerate(chain):
+            run = run + 1 if self.local.lookup(h, tokens) is not None else 0
+            if run >= i + 1 - self.first_needed((i + 1) * self.block_size):
+                best = i + 1
+        return best
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free
+        need = self.blocks_needed(seq, num_new_tokens)
+        return need <= self.glob.num_free and (self.local is None or need <= self.local.num_free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` blocks for its next `num_new_tokens` tokens (check can_allocate first)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take())
+            seq.block_table.append(self.glob.take())
+            if self.local is not None:
+                seq.local_table.append(self.local.take())
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that this step filled, so later requests can reuse them."""
+        """Register the blocks that this step filled, so later requests can reuse them; then give back
+        the local blocks no later query of `seq` reads."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
-            block = self._blocks[seq.block_table[i]]
             # the same content computed twice (two requests in one step): the first copy is the cached one
-            if h not in self._by_hash and block.hash is None:
-                block.hash, block.tokens = h, tokens
-                self._by_hash[h] = block.id
+            if self.glob.register(seq.block_table[i], h, tokens):
                 self._added.append(h)
+            if self.local is not None and seq.local_table[i] >= 0:
+                self.local.register(seq.local_table[i], h, tokens)
+        if self.local is not None:
+            self._slide(seq)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Release local blocks before the window of the next position to compute (oldest first, so the
+        LRU reclaims them before the tail a continuing request would hit)."""
+        end = min(self.first_needed(seq.num_computed), len(seq.local_table))
+        for i in range(seq.local_start, end):
+            if seq.local_table[i] >= 0:
+                self.local.release(seq.local_table[i])
+                seq.local_table[i] = -1
+        seq.local_start = max(seq.local_start, end)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Release `seq`'s blocks past the first `num_tokens` tokens (speculation's rejected drafts). Those
         blocks were never full with committed tokens, so they hold nothing worth caching."""
         keep = -(-num_tokens // self.block_size)
         for bid in seq.block_table[keep:]:
-            block = self._blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free.append(bid)
+            self.glob.release(bid)
         del seq.block_table[keep:]
+        if self.local is not None:
+            for bid in seq.local_table[keep:]:
+                if bid >= 0:
+                    self.local.release(bid)
+            del seq.local_table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references. Its hashed blocks stay cached; the tail blocks are evicted first."""
+        """Drop `seq`'s references. Its hashed blocks stay cached; global tail blocks are evicted first
+        (a chain is useless past its first gap), local ones last (a later hit needs the chain's tail)."""
         for bid in reversed(seq.block_table):
-            block = self._blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._cached_free[bid] = None
-                else:
-                    self._free.append(bid)
+            self.glob.release(bid)
+        if self.local is not None:
+            for bid in seq.local_table:
+                if bid >= 0:
+                    self.local.release(bid)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        seq.local_table, seq.local_start = [], 0
 
     def flush_events(self) -> None:
         """Send this step's evictions, then additions, to the block sink (a hash may leave and come back)."""
+        evicted = self.glob.evicted
         if self._sink is not None:
-            if self._evicted:
-                self._sink(BlockEvent(kind="evicted", hashes=self._evicted))
+            if evicted:
+                self._sink(BlockEvent(kind="evicted", hashes=evicted))
             if self._added:
                 self._sink(BlockEvent(kind="added", hashes=self._added))
-        self._added, self._evicted = [], []
-
-    def _ref(self, bid: int) -> None:
-        block = self._blocks[bid]
-        if block.ref_count == 0:
-            self._cached_free.pop(bid, None)
-        block.ref_count += 1
-
-    def _take(self) -> int:
-        if self._free:
-            bid = self._free.popleft()
-        else:
-            bid, _ = self._cached_free.popitem(last=False)
-            block = self._blocks[bid]
-            del self._by_hash[block.hash]
-            self._evicted.append(block.hash)
-            block.hash, block.tokens = None, None
-        self._blocks[bid].ref_count = 1
-        return bid
+        self._added, self.glob.evicted = [], []
+        if self.local is not None:
+            self.local.evicted = []

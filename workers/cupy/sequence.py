@@ -26,6 +26,10 @@ class Sequence:
     num_cached: int = -1  # prompt tokens served from the prefix cache at first admission; -1: not yet
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    # sliding-window layers' blocks (kv_cache.py, two pools): same index as block_table, -1 once slid out;
+    # empty with one pool. local_start: entries before it are all -1.
+    local_table: list[int] = field(default_factory=list)
+    local_start: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order; preemption takes the newest first
