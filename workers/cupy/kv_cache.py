@@ -41,6 +41,7 @@ class KVStorage:
         assert len(is_global) == n_layers
         n_global = sum(is_global)
         self.num_global, self.num_local = num_blocks, num_blocks if num_local is None else num_local
+        self.two_pools = num_local is not None  # the sliding-window layers index their own block tables
         if num_local is None:  # one pool: local layers share the global layers' blocks
             is_global = [True] * n_layers
             n_global = n_layers

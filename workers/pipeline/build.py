@@ -76,11 +76,12 @@ def transport_name(addresses, driver_host: str) -> str:
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True):
+                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True,
+                            window_pool=True):
     """An Engine whose model is a PipelinedModel over stage actors; (engine, stages)."""
     from workers.cupy.engine import Engine
     from workers.cupy.gemma3 import Gemma3Config
-    from workers.cupy.kv_cache import BlockManager
+    from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.sampler import Sampler
     from workers.cupy.scheduler import Scheduler
     from workers.pipeline.runner import PipelinedModel
@@ -103,8 +104,10 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     stages.connect(addresses[1:] + [(driver_host, model.address[1])])
     model.connect()
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
-    kv = model.kv_storage(num_blocks, block_size, max_seqs=max_num_seqs if graphs else 0)
-    blocks = BlockManager(num_blocks, block_size, block_sink)
+    plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
+    kv = model.kv_storage(plan.num_global, block_size, max_seqs=max_num_seqs if graphs else 0,
+                          num_local=plan.num_local)
+    blocks = BlockManager.from_plan(plan, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":
         sampler = Sampler(np)

@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from workers.cupy.gemma3 import Gemma3Config
-from workers.cupy.gpu.gemma3 import GpuGemma3, Workspace, kv_dtype
+from workers.cupy.gpu.gemma3 import GpuGemma3, Workspace, device_kv_args, kv_dtype
 from workers.cupy.gpu.graphs import DecodeGraphs
 from workers.cupy.batch import StepBatch
 from workers.pipeline.layers import range_config, slice_weights
@@ -31,8 +31,8 @@ class GpuLayers:
                                act=act, graph_sizes=(), max_model_len=max_model_len)
         self.kv, self.block_size, self.graphs = None, 0, None
 
-    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0) -> None:
-        self.kv, self.block_size = self.model.kv_storage(num_blocks, block_size), block_size
+    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0, num_local: int | None = None) -> None:
+        self.kv, self.block_size = self.model.kv_storage(num_blocks, block_size, num_local=num_local), block_size
         self.graphs = None
         if max_seqs:  # decode steps as CUDA graphs, as the single-stage engine replays them
             sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_seqs) + (max_seqs,)
@@ -69,9 +69,9 @@ class GpuLayers:
         ws = Workspace.allocate(self.model.cfg, batch.num_tokens, 1, self.model.act)
         ws.resid[...] = cp.asarray(x)
         tok_row = cp.asarray(np.repeat(np.arange(n_query.size, dtype=np.int32), n_query))
-        self.layer_loop(ws, cp.zeros_like(ws.resid), cp.asarray(batch.positions, cp.int32),
-                        cp.asarray(batch.slot_mapping, cp.int64), tok_row,
-                        cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32)), decode)
+        slots, tables = device_kv_args(batch)
+        self.layer_loop(ws, cp.zeros_like(ws.resid), cp.asarray(batch.positions, cp.int32), slots, tok_row, tables,
+                        decode)
         out = ws.resid[cp.asarray(batch.logits_indices, cp.int64)] if last else ws.resid
         return cp.ascontiguousarray(out).get()
 
@@ -88,12 +88,10 @@ class StageGraphs(DecodeGraphs):
         super().__init__(layers.model, layers.kv, layers.block_size, sizes, max_blocks)
 
     def _step(self, g: int) -> None:
-        m, ws = self.model, self.ws.view(g, g)
-        m.kernels.prepare(self._pos_in(g), self._tables(g), self.block_size, self.scratch_slot,
-                          self.pos[:g], self.slots[:g])
+        ws = self.ws.view(g, g)
+        slots, tables = self._prepare(g)
         ws.resid[...] = self.x_in[:g]
-        self.layers.layer_loop(ws, self.zeros[:g], self.pos[:g], self.slots[:g], self.tok_row[:g], self._tables(g),
-                               True)
+        self.layers.layer_loop(ws, self.zeros[:g], self.pos[:g], slots, self.tok_row[:g], tables, True)
 
     def run_stage(self, x: np.ndarray, batch: StepBatch) -> np.ndarray | None:
         meta = batch.meta
@@ -101,7 +99,7 @@ class StageGraphs(DecodeGraphs):
         g = self.size_for(n)
         if g is None or meta.block_tables.shape[1] > self.max_blocks:
             return None
-        self.load(np.zeros(n, np.int32), meta.seq_lens - 1, meta.block_tables, g)
+        self.load(np.zeros(n, np.int32), meta.seq_lens - 1, meta.block_tables, g, self.local_tables_of(batch))
         self.x_in[:n].set(np.ascontiguousarray(x, np.float32))
         self.replay(g)
         return self.ws.resid[:n].get()

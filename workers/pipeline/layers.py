@@ -53,8 +53,12 @@ def stage_batch(a: dict, block_size: int) -> StepBatch:
     """The layers' view of a step rebuilt from the arrays a message carries (no token ids: they stay with
     the driver)."""
     meta = AttentionMeta(a["query_start"], a["seq_lens"], a["block_tables"], block_size)
+    local = {}
+    if "local_block_tables" in a:
+        local = {"local_slot_mapping": a["local_slot_mapping"],
+                 "local_meta": AttentionMeta(a["query_start"], a["seq_lens"], a["local_block_tables"], block_size)}
     return StepBatch(None, a["positions"], a["slot_mapping"], a["logits_indices"], meta, [],
-                     int(a["query_start"][-1]))
+                     int(a["query_start"][-1]), **local)
 
 
 class NumpyLayers:
@@ -68,8 +72,8 @@ class NumpyLayers:
                             Ops(np), dtype)
         self.dtype, self.kv = dtype, None
 
-    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0) -> None:
-        self.kv = self.model.kv_storage(num_blocks, block_size, self.dtype)
+    def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0, num_local: int | None = None) -> None:
+        self.kv = self.model.kv_storage(num_blocks, block_size, self.dtype, num_local=num_local)
 
     def run(self, x: np.ndarray, batch: StepBatch, last: bool) -> np.ndarray:
         m, c, ops = self.model, self.model.cfg, self.model.ops

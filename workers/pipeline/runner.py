@@ -63,11 +63,15 @@ def split_batch(batch: StepBatch, parts: int) -> list[tuple[np.ndarray, dict]]:
     for b0, b1 in zip(bounds, bounds[1:]):
         r0, r1 = int(qs[b0]), int(qs[b1])
         rows = li[(li >= r0) & (li < r1)] - r0
-        out.append((np.asarray(batch.token_ids)[r0:r1], {
+        arrays = {
             "positions": np.asarray(batch.positions)[r0:r1], "slot_mapping": np.asarray(batch.slot_mapping)[r0:r1],
             "logits_indices": rows.astype(np.int64), "query_start": (qs[b0 : b1 + 1] - r0).astype(np.int32),
             "seq_lens": meta.seq_lens[b0:b1], "block_tables": meta.block_tables[b0:b1],
-        }))
+        }
+        if batch.local_meta is not None:  # the sliding-window layers' own pool (workers/cupy/kv_cache.py)
+            arrays["local_slot_mapping"] = np.asarray(batch.local_slot_mapping)[r0:r1]
+            arrays["local_block_tables"] = batch.local_meta.block_tables[b0:b1]
+        out.append((np.asarray(batch.token_ids)[r0:r1], arrays))
     return out
 
 
@@ -116,10 +120,12 @@ class PipelinedModel:
     def last_chosen(self):
         return getattr(self.ends, "last_chosen", None)
 
-    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None, max_seqs: int = 0) -> PipelineKV:
-        """Each stage allocates K/V for its layers; `max_seqs` sizes the GPU stages' decode graphs."""
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None, max_seqs: int = 0,
+                   num_local: int | None = None) -> PipelineKV:
+        """Each stage allocates K/V for its layers (`num_local`: its sliding-window layers' own pool, as in
+        kv_cache.plan_pools); `max_seqs` sizes the GPU stages' decode graphs."""
         self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size,
-                           "max_seqs": max_seqs}, {}))
+                           "max_seqs": max_seqs, "num_local": num_local}, {}))
         self._receive()
         return PipelineKV(num_blocks, block_size)
 

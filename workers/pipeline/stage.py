@@ -17,7 +17,8 @@ import time
 from workers.pipeline import wire
 
 log = logging.getLogger(__name__)
-META = ("positions", "slot_mapping", "logits_indices", "query_start", "seq_lens", "block_tables")
+META = ("positions", "slot_mapping", "logits_indices", "query_start", "seq_lens", "block_tables",
+        "local_slot_mapping", "local_block_tables")  # the last two only with a sliding-window pool
 
 
 def build_layers(model_path: str | None, cache_dir: str | None, lo: int, hi: int, device: str, act: str,
@@ -81,7 +82,8 @@ class StageActor:
                 if kind == "run":
                     arrays = self._run(header, arrays)
                 elif kind == "alloc":
-                    self.layers.alloc_kv(header["num_blocks"], header["block_size"], header.get("max_seqs", 0))
+                    self.layers.alloc_kv(header["num_blocks"], header["block_size"], header.get("max_seqs", 0),
+                                         header.get("num_local"))
             except Exception as exc:  # the driver raises it; the stage keeps serving
                 log.exception("stage %d-%d failed", self.lo, self.hi)
                 header = {"kind": "error", "mb": header.get("mb"), "message": f"stage {self.lo}-{self.hi}: {exc}"}
@@ -99,7 +101,7 @@ class StageActor:
         from workers.pipeline.layers import stage_batch
 
         x = self.layers.run(a["x"], stage_batch(a, header["block_size"]), self.last)
-        return {"x": x} if self.last else {**{k: a[k] for k in META}, "x": x}
+        return {"x": x} if self.last else {**{k: a[k] for k in META if k in a}, "x": x}
 
 
 def _node_ip() -> str:

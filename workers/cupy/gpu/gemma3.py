@@ -37,6 +37,22 @@ def kv_dtype(act: str) -> str:
     return "float16" if act == "float16" else "uint16"
 
 
+def device_kv_args(batch):
+    """The step's KV slots and block tables on the device; (global, local) pairs when the sliding-window
+    layers have their own pool (workers/cupy/kv_cache.py), which `run` hands each layer by its kind."""
+    slots = cp.asarray(batch.slot_mapping, cp.int64)
+    tables = cp.asarray(np.ascontiguousarray(batch.meta.block_tables, dtype=np.int32))
+    if batch.local_meta is None:
+        return slots, tables
+    return ((slots, cp.asarray(batch.local_slot_mapping, cp.int64)),
+            (tables, cp.asarray(np.ascontiguousarray(batch.local_meta.block_tables, dtype=np.int32))))
+
+
+def _for_layer(x, lw):
+    """A layer's own slots / block tables from a (global, local) pair; a single array serves every layer."""
+    return x[0 if lw["window"] == 0 else 1] if isinstance(x, tuple) else x
+
+
 @dataclass
 class Workspace:
     """Every intermediate of one step for up to `t` tokens and `s` logits rows (graphs need fixed buffers)."""
@@ -135,10 +151,13 @@ class GpuGemma3:
             "window": 0 if is_global else c.window,
         }
 
-    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None) -> KVStorage:
-        """K/V arrays with one extra block at the end: the scratch block padding rows of a graph write to."""
+    def kv_storage(self, num_blocks: int, block_size: int, dtype: str | None = None,
+                   num_local: int | None = None) -> KVStorage:
+        """K/V arrays with one extra block at the end of each pool: the scratch block padding rows of a graph
+        write to. num_local: the sliding-window layers' own pool (workers/cupy/kv_cache.py); None: one pool."""
         c = self.cfg
-        return KVStorage(cp, c.n_layers, num_blocks + 1, block_size, c.n_kv_heads, c.head_dim, kv_dtype(self.act))
+        return KVStorage(cp, c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype(self.act),
+                         is_global=[c.is_global(i) for i in range(c.n_layers)], num_local=num_local, extra=1)
 
     # --- the step ------------------------------------------------------------------------------------
     def run(self, ws: Workspace, tok, pos, slots, tok_row, block_tables, logit_rows, kv: KVStorage,
@@ -163,6 +182,7 @@ class GpuGemma3:
 
     def _attention(self, i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused: bool, pdl=False):
         c = self.cfg
+        slots, block_tables = _for_layer(slots, lw), _for_layer(block_tables, lw)
         rcos, rsin = lw["rope"]
         fuse = (ws.qkv, lw["q_norm"], lw["k_norm"], slots, rcos, rsin, c.eps) if fused else None
         if not fused:
@@ -223,10 +243,9 @@ class GpuGemma3:
         t, s = batch.num_tokens, int(batch.logits_indices.shape[0])
         ws = Workspace.allocate(self.cfg, t, s, self.act)
         tok_row = cp.asarray(np.repeat(np.arange(meta.seq_lens.size, dtype=np.int32), np.diff(meta.query_start)))
-        tables = cp.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32))
+        slots, tables = device_kv_args(batch)
         self.run(ws, cp.asarray(batch.token_ids, cp.int32), cp.asarray(batch.positions, cp.int32),
-                 cp.asarray(batch.slot_mapping, cp.int64), tok_row, tables, cp.asarray(batch.logits_indices, cp.int64),
-                 kv, meta.block_size)
+                 slots, tok_row, tables, cp.asarray(batch.logits_indices, cp.int64), kv, meta.block_size)
         self.last_chosen = ws.chosen
         return ws.logits
 
