@@ -35,12 +35,13 @@ def encode(text: str) -> list[int]:
     return [info.bos_token_id] + load_tokenizer(None).encode(text, add_special_tokens=False).ids
 
 
-def make_engine(num_blocks=256, block_size=16, max_num_seqs=8, max_step_tokens=512, block_sink=None) -> Engine:
-    """An engine over the one shared model (weights built once per test process)."""
+def make_engine(num_blocks=256, block_size=16, max_num_seqs=8, max_step_tokens=512, block_sink=None,
+                **kw) -> Engine:
+    """An engine over the one shared model (weights built once per test process); `kw`: create_engine's."""
     info, model = shared_model()
     return create_engine(info, None, np, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                          max_step_tokens=max_step_tokens, context_length=info.context_length,
-                         block_sink=block_sink, model=model, seed=0)
+                         block_sink=block_sink, model=model, seed=0, **kw)
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, sampling=GREEDY, tag="r", **kw):
