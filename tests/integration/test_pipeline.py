@@ -35,8 +35,8 @@ def pipelined(local_ray):
     info = load_model_info(None)
     engine, _ = create_pipelined_engine(
         info, load_weights(info.path), stages_plan=stage_plan(18, [], 2, "cpu"), device="cpu", micro_batches=2,
-        block_size=16, num_blocks=256, max_num_seqs=8, max_step_tokens=512, context_length=info.context_length,
-        seed=0)
+        block_size=16, num_blocks=512, max_num_seqs=8, max_step_tokens=512, context_length=info.context_length,
+        seed=0)  # 512 blocks: a sliding-window pool of 312 blocks beside 1512 global ones (kv_cache.plan_pools)
     yield engine
     close_pipeline(engine)
 
@@ -90,6 +90,16 @@ def test_prefix_reuse_and_speculation_work_across_stages(pipelined):
     assert first == want and second == want
     assert f2.cached_tokens >= 16 * (len(prompt) // 16 - 1)  # the second turn reused the first's KV blocks
     assert f1.drafted_tokens > 0 and f1.accepted_tokens > 0
+
+
+def test_past_the_sliding_window_each_stage_uses_its_local_pool(pipelined):
+    """The local layers' block tables and slots travel with each micro-batch; every stage indexes its own
+    layers' pool. Tokens as the single-stage engine with one pool (every layer keeping every block)."""
+    assert pipelined.blocks.local is not None and pipelined.blocks.local.num_blocks < pipelined.blocks.num_blocks
+    prompts = [encode(" ".join(PROMPTS * 12))[:700], encode(PROMPTS[2])]
+    want, _ = run(make_engine(window_pool=False), prompts, 8, tag="w")
+    got, _ = run(pipelined, prompts, 8, tag="w")
+    assert got == want
 
 
 async def test_engine_backend_runs_a_pipeline_from_config(local_ray):
