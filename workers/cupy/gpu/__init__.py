@@ -45,13 +45,14 @@ class GpuSampler(Sampler):
 
 def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, max_num_seqs: int,
                       max_step_tokens: int, context_length: int, block_sink=None, seed: int | None = None,
-                      act: str = "float16", graph_sizes=None, **_ignored):
+                      act: str = "float16", graph_sizes=None, window_pool: bool = True, **_ignored):
     """An Engine whose model is GpuGemma3 (fp16/bf16 weights, CUDA graphs for decode batches up to
-    max_num_seqs). Same arguments as workers.cupy.engine.create_engine; `ops`/`dtype` are ignored."""
+    max_num_seqs). Same arguments as workers.cupy.engine.create_engine (`window_pool`: the sliding-window
+    layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored."""
     from workers.cupy.engine import Engine
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.gpu.gemma3 import GpuGemma3
-    from workers.cupy.kv_cache import BlockManager
+    from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.scheduler import Scheduler
 
     if info.architecture != "gemma3":
@@ -60,8 +61,9 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
         graph_sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_num_seqs) + (max_num_seqs,)
     cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
     model = GpuGemma3(cfg, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length)
-    kv = model.kv_storage(num_blocks, block_size)
-    blocks = BlockManager(num_blocks, block_size, block_sink)
+    plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
+    kv = model.kv_storage(plan.num_global, block_size, num_local=plan.num_local)
+    blocks = BlockManager.from_plan(plan, block_size, block_sink)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     sampler = GpuSampler(model)
     engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)

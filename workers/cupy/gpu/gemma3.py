@@ -182,6 +182,8 @@ class GpuGemma3:
 
     def _attention(self, i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused: bool, pdl=False):
         c = self.cfg
+        # a two-pool storage needs (global, local) pairs: a single table would index the local pool with global ids
+        assert isinstance(block_tables, tuple) == kv.two_pools, "KV slots/tables do not match the storage's pools"
         slots, block_tables = _for_layer(slots, lw), _for_layer(block_tables, lw)
         rcos, rsin = lw["rope"]
         fuse = (ws.qkv, lw["q_norm"], lw["k_norm"], slots, rcos, rsin, c.eps) if fused else None
