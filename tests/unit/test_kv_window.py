@@ -148,3 +148,36 @@ def test_a_full_local_pool_preempts_and_the_preempted_loses_nothing():
     for s in seqs:
         assert s.status is SeqStatus.FINISHED and s.token_ids[4:] == [1000 + i for i in range(60)]
     assert sched.blocks.num_used == 0 and sched.blocks.num_local_used == 0
+
+
+def test_the_step_batch_carries_the_local_tables_and_slots():
+    import numpy as np
+
+    from workers.cupy.batch import build_batch
+
+    blocks = two_pools()
+    seq = Sequence("s", list(range(30)), max_tokens=10)
+    prefill_and_decode(blocks, seq, chunk=8, decode=0)
+    seq.token_ids.append(5)
+    blocks.allocate(seq, 1)
+    batch = build_batch([(seq, 1)], BS, np)
+    local = batch.local_meta.block_tables[0]
+    first = blocks.first_needed(30)  # (30 - 15) // 4 = 3
+    assert local[:first].tolist() == [0] * first and local[first:].tolist() == seq.local_table[first:]
+    assert batch.local_slot_mapping.tolist() == [seq.local_table[30 // BS] * BS + 30 % BS]
+    assert batch.slot_mapping.tolist() == [seq.block_table[30 // BS] * BS + 30 % BS]
+    assert all(a is b for a, b in zip(batch.kv_args(True), (batch.slot_mapping, batch.meta)))
+    assert all(a is b for a, b in zip(batch.kv_args(False), (batch.local_slot_mapping, batch.local_meta)))
+    one = BlockManager(200, BS)
+    other = Sequence("o", list(range(9)), max_tokens=1)
+    one.allocate(other, 9)
+    assert build_batch([(other, 9)], BS, np).local_meta is None  # one pool: every layer the same table
+
+
+def test_reported_usage_is_the_fuller_pool_share():
+    blocks = two_pools(num_blocks=100, num_local=10)
+    seqs = [Sequence(f"s{i}", [i] * 8, max_tokens=1) for i in range(4)]
+    for s in seqs:
+        compute(blocks, s, 8)  # 2 blocks in each pool per sequence
+    assert blocks.num_used == 8 and blocks.num_local_used == 8
+    assert blocks.pressure_used == 80  # 8 of 10 local blocks: 80% of the 100 reported
