@@ -85,3 +85,17 @@ def test_preemption_past_the_window_loses_nothing(prompts, one_pool):
     tokens, _ = run(engine, prompts, N_TOKENS, tag="p")
     assert engine.scheduler.preemptions > 0
     assert tokens == one_pool
+
+
+def test_speculation_past_the_window_rolls_back_in_both_pools(prompts, one_pool):
+    from policy.profiles import DeviceProfile, SpeculationRule
+    from workers.cupy.speculative import Speculator
+
+    engine = make_engine(**SIZES)
+    engine.speculator = Speculator(DeviceProfile(name="k4", max_draft_tokens=4,
+                                                 speculation=[SpeculationRule(max_context=10**9, k=4)]))
+    tokens, finals = run(engine, prompts, N_TOKENS, tag="s")
+    assert tokens == one_pool
+    drafted, accepted = sum(f.drafted_tokens for f in finals), sum(f.accepted_tokens for f in finals)
+    assert 0 < accepted < drafted  # the repeated prompts draft (prompt lookup), and one draft is rolled back
+    assert engine.blocks.num_used == 0 and engine.blocks.num_local_used == 0
