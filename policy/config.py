@@ -68,6 +68,10 @@ class EngineConfig(PulseModel):
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    window_pool: bool = Field(
+        True, description="Sliding-window layers keep only their window, in a KV pool of their own; the rest of the "
+        "KV budget goes to the global layers (more context in the same memory). Off: every layer keeps every block."
+    )
     speculation: bool = Field(
         True, description="Speculative decoding (prompt lookup, Predicted Outputs) with K per step from the device "
         "profile's speculation table; off: never draft."

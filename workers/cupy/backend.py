@@ -61,6 +61,7 @@ class EngineBackend(Backend):
             "max_num_seqs": cfg.max_num_seqs or self._profile.max_num_seqs,
             "max_step_tokens": cfg.max_prefill_tokens,
             "context_length": self.context_length,
+            "window_pool": cfg.window_pool,
         }
 
     # --- lifecycle ---------------------------------------------------------------------------------
