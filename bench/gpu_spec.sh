@@ -7,6 +7,7 @@
 # tests: pytest tests/gpu (GPU == CPU, verify graphs == CPU, lossless speculation on the real model)
 # edit:  python -m bench.speculation edit  (batch-1 code edits: none / lookup / predicted, interleaved)
 # grid:  python -m bench.speculation grid  (context x concurrency x K, adaptive policy beside fixed K)
+# chat:  the same grid over open questions (little for prompt lookup to find)
 # GRID_ARGS / EDIT_ARGS override the defaults below; PROFILE names the adaptive policy's profile.
 set -u
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
@@ -30,8 +31,11 @@ for part in $parts; do
     edit) python3 -m bench.speculation edit --device cuda --model "$model" --out "$res" --quiet \
             ${EDIT_ARGS:---tokens 128 --repeats 5 --warmup 2} ${PROFILE:+--profile $PROFILE} 2>&1 | tail -25 ;;
     grid) python3 -m bench.speculation grid --device cuda --model "$model" --out "$res" --quiet \
-            ${GRID_ARGS:---contexts 512 4096 16384 --concurrency 1 4 16 --ks 2 4 8 --tokens 96 --repeats 5 --warmup 1} \
-            ${PROFILE:+--profile $PROFILE} 2>&1 | tail -30 ;;
+            ${GRID_ARGS:---contexts 512 4096 16384 --concurrency 1 4 16 32 --ks 4 8 --tokens 96 --repeats 5 --warmup 1} \
+            ${PROFILE:+--profile $PROFILE} 2>&1 | tail -16 ;;
+    chat) python3 -m bench.speculation grid --workload chat --device cuda --model "$model" --out "$res" --quiet \
+            ${CHAT_ARGS:---contexts 512 4096 --concurrency 1 16 --ks 4 8 --tokens 96 --repeats 5 --warmup 1} \
+            ${PROFILE:+--profile $PROFILE} 2>&1 | tail -10 ;;
   esac
 done
 rm -f "$res"/*.png

@@ -86,12 +86,12 @@ def _spec_engine(real_model, k: int, block_size: int = 8):
     return eng
 
 
-def _generate(eng, prompts, max_tokens, **kw):
+def _generate(eng, prompts, max_tokens, extra=None):
     from workers.protocol import GenerateRequest, SamplingParams
 
     for i, ids in enumerate(prompts):
         eng.add(GenerateRequest(request_id=str(i), prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                                sampling=SamplingParams(temperature=0.0), **kw.get(i, {})))
+                                sampling=SamplingParams(temperature=0.0), **(extra or {}).get(i, {})))
     toks, finals = {str(i): [] for i in range(len(prompts))}, {}
     while eng.has_work():
         for o in eng.step():
@@ -128,6 +128,6 @@ def test_real_model_speculation_is_lossless_on_gpu(real):  # noqa: F811
         assert eng.model._verify is not None  # verify steps went through the graphs
     # Predicted Outputs: the original file as the prediction of the edit
     pred = tok.encode(SOURCE).ids
-    tokens, finals = _generate(_spec_engine(real, 6), prompts[:1], 40, **{0: {"prediction_ids": pred}})
+    tokens, finals = _generate(_spec_engine(real, 6), prompts[:1], 40, {0: {"prediction_ids": pred}})
     assert tokens == reference[:1]
     assert finals[0].drafted_tokens > 0

@@ -90,7 +90,7 @@ class GpuGemma3:
     xp = np
 
     def __init__(self, cfg: Gemma3Config, weights: dict, act: str = "float16", graph_sizes=(1, 2, 4, 8, 16, 32, 64),
-                 max_model_len: int = 8192, verify_sizes=(4, 8, 16, 32, 64, 128)):
+                 max_model_len: int = 8192, verify_sizes=(4, 8, 16, 32, 64, 128, 256)):
         if cfg.n_kv_heads != 1:
             raise ValueError("the GPU kernels are written for one KV head (Gemma 3 270M/1B)")
         self.cfg, self.act = cfg, act
@@ -177,8 +177,9 @@ class GpuGemma3:
         if not fused:
             self.kernels.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, rcos, rsin, c.eps,
                                   c.n_heads, c.n_kv_heads, ws.q, kv.k[i], kv.v[i])
-        # keys split across blocks for decode and verify steps (few tokens, each reading a whole context)
-        n_split = attention_splits(pos.shape[0]) if fused or pos.shape[0] <= GEMV_MAX_M else 1
+        # keys split across blocks when a step has few tokens (decode, verify), each reading a whole context:
+        # one block per token over 16k keys left the GPU idle (verify steps at 16k context ran at half speed)
+        n_split = attention_splits(pos.shape[0])
         self.kernels.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
                                c.query_scale, c.n_kv_heads, ws.attn, fused=fuse, pdl=pdl, n_split=n_split,
                                part=ws.att_part, counter=ws.att_count)
