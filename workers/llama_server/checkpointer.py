@@ -59,6 +59,8 @@ class Checkpointer:
         if found is not None and found[1] * bs >= max(self.cfg.min_tokens, matched + bs):
             restore, slot = found[0], table.least_recent()
         epoch = table.reserve(slot)
+        if restore is not None:
+            self.store.pin(restore.key)  # the save just below must not delete the file about to be read
         try:
             await self._save_if_lost(lane, slot, list(restore.tokens) if restore else prompt)
             if restore is not None and table.slots[slot].epoch == epoch:
@@ -66,6 +68,9 @@ class Checkpointer:
         except BaseException:  # cancelled: give the slot back before the request goes away
             table.unreserve(slot, epoch)
             raise
+        finally:
+            if restore is not None:
+                self.store.unpin(restore.key)
         return slot, hashes
 
     def after_request(self, lane, slot: int) -> None:
@@ -140,7 +145,6 @@ class Checkpointer:
     async def _restore(self, lane, slot: int, ck: Checkpoint) -> bool:
         table, epoch = lane.slots, lane.slots.slots[slot].epoch
         t0 = time.perf_counter()
-        self.store.pin(ck.key)
         try:
             body = await self._action(lane, slot, "restore", checkpoint_name(ck.key))
             restored = int(body["n_restored"])
@@ -157,8 +161,6 @@ class Checkpointer:
             if table.slots[slot].epoch == epoch:
                 table.load(slot, [], [])
             return False
-        finally:
-            self.store.unpin(ck.key)
         self.store.touch(ck.key)
         if table.slots[slot].epoch == epoch:  # else the process restarted meanwhile: the slot is empty
             table.load(slot, list(ck.tokens[:restored]), ck.hashes[: restored // self.block_size])
