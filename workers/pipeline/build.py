@@ -83,6 +83,7 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     from workers.cupy.kv_cache import BlockManager
     from workers.cupy.sampler import Sampler
     from workers.cupy.scheduler import Scheduler
+    from workers.pipeline.recovery import LiveBlocks, StageRecovery
     from workers.pipeline.runner import PipelinedModel
 
     cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
@@ -98,13 +99,13 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
 
         ends = GpuEnds(cfg, weights)
     n = len(addresses)
-    model = PipelinedModel(ends, addresses[0], n, transport_name(addresses, bind_host), micro_batches or n, bind_host)
     driver_host = bind_host if bind_host != "0.0.0.0" else _node_ip()
-    stages.connect(addresses[1:] + [(driver_host, model.address[1])])
-    model.connect()
+    model = PipelinedModel(ends, n, transport_name(addresses, bind_host), micro_batches or n, bind_host, driver_host)
+    model.wire(stages)
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
     kv = model.kv_storage(num_blocks, block_size, max_seqs=max_num_seqs if graphs else 0)
-    blocks = BlockManager(num_blocks, block_size, block_sink)
+    live = LiveBlocks(block_sink)  # what the router was told: all of it evicted if a stage is lost
+    blocks = BlockManager(num_blocks, block_size, live)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":
         sampler = Sampler(np)
@@ -116,6 +117,7 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     if device != "cpu":
         sampler.engine = engine
     engine.pipeline_actors = stages  # kept alive with the engine; ended by close_pipeline
+    engine.pipeline_recovery = StageRecovery(engine, stages, live)
     return engine, stages
 
 

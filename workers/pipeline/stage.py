@@ -7,10 +7,14 @@ actor's own thread serves the socket and Ray is out of the per-token path. Messa
 - "run": one micro-batch (positions, KV slots, attention metadata, the residual stream); the output goes
   on with the same metadata, or, from the last stage, only the rows whose logits the driver wants.
 - "stop": forwarded, then the loop ends. A failure becomes an "error" message the driver raises.
+A closed or broken socket on either side (a neighbour died, or the driver tore the ring down to rebuild
+it) ends the loop and closes this stage's outgoing socket, so the loss travels round the ring to the
+driver; the driver then calls `connect` again (workers/pipeline/recovery.py) and the stage serves anew.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -55,13 +59,22 @@ class StageActor:
         self.server = wire.listener(bind_host)
         self.host = bind_host if bind_host != "0.0.0.0" else _node_ip()
         self._thread: threading.Thread | None = None
+        self.down = None
         self._send_s = 0.0
 
     def address(self) -> tuple[str, int]:
         return self.host, self.server.getsockname()[1]
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def connect(self, host: str, port: int) -> bool:
-        """Connect to the next hop and start serving the previous one (which connects to `address()`)."""
+        """Connect to the next hop and start serving the previous one (which connects to `address()`).
+        Called again after a ring was torn down: the old loop has ended (its sockets closed) or ends soon."""
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                raise RuntimeError(f"stage {self.lo}-{self.hi} is still serving the old ring")
         self.down = wire.connect(host, port)
         self._thread = threading.Thread(target=self._serve, name=f"stage-{self.lo}-{self.hi}", daemon=True)
         self._thread.start()
@@ -70,11 +83,17 @@ class StageActor:
     def _serve(self) -> None:
         up, _ = self.server.accept()
         wire.tune(up)
+        try:
+            self._loop(up)
+        except OSError as exc:  # a neighbour went away (ConnectionError is an OSError): pass the loss on
+            log.warning("stage %d-%d: ring closed (%s)", self.lo, self.hi, exc)
+        finally:
+            up.close()
+            self.down.close()
+
+    def _loop(self, up) -> None:
         while True:
-            try:
-                header, arrays, _, recv_s = wire.recv(up)
-            except ConnectionError:
-                return
+            header, arrays, _, recv_s = wire.recv(up)
             t0 = time.perf_counter()
             kind = header["kind"]
             try:
