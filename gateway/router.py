@@ -91,11 +91,13 @@ class PrefixRouter:
 
 
 def load_of(w) -> WorkerLoad:
-    """A WorkerState as routing sees it: its last BackendStats plus this gateway's in-flight count."""
+    """A WorkerState as routing sees it: its last BackendStats plus what this gateway knows fresher than the
+    last stats poll: requests in flight there and the uncached prompt tokens still waiting for prefill."""
     return WorkerLoad.from_stats(
         w.worker_id,
         msgspec.structs.asdict(w.stats),
         inflight=w.inflight,
+        pending_prefill_tokens=getattr(w, "pending_prefill", 0),
         healthy=w.healthy and w.stats.healthy,
         block_size=w.info.block_size,
     )
