@@ -19,10 +19,14 @@ Layout (NS = RedisConfig.namespace):
 Expiry is per worker: its sets expire `ttl_s` after its last publish, evict or snapshot, so a worker
 that died without drop_worker vanishes; single lost evictions are repaired by the snapshot a worker
 sends when `on_recovered` fires (and periodically).
-A lookup asks each worker's sets with SMISMEMBER in growing chunks (16, 64, 256, ... blocks) and stops
-at the worker's first missing block, so the per-block work runs in Redis's C code and costs the
-matched length, not the prompt length. (Measured on the loaded 2-core box: SMISMEMBER ~0.5 µs per
-block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
+A lookup first brackets each worker's match with a few batched probes (blocks 1, 2, 4, ..., last in one
+SMISMEMBER, then 15 evenly spaced points inside the bracket until it is <= 16 blocks wide: the engines
+evict a block's descendants before the block, so held blocks form a prefix), then checks every block up
+to the bracket's upper end in one SMISMEMBER and returns the first gap. The answer is exact whether or
+not the held blocks form a prefix (the dense check finds any gap; the block past the bracket is known
+missing), and the per-block work is the matched length plus at most 15 blocks, in Redis's C code.
+(Before, growing chunks of 16, 64, 256, ... blocks overshot the match by up to 4x. Measured on the loaded
+2-core box: SMISMEMBER ~0.5 µs per block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
 Standalone Redis only: scripts touch keys they compute (no Redis Cluster).
 """
 from __future__ import annotations
@@ -113,14 +117,41 @@ local function upto(j)
     for _, h in ipairs(split(blob, #hashes + 1, j)) do hashes[#hashes + 1] = h end
   end
 end
-local function held(keys, i, j)  -- per block i..j: held in any of keys? (1 or 0)
-  upto(j)
-  local got = redis.call('SMISMEMBER', keys[1], unpack(hashes, i, j))
+local function held(keys, list, i, j)  -- per hash list[i..j]: held in any of keys? (1 or 0)
+  local got = redis.call('SMISMEMBER', keys[1], unpack(list, i, j))
   for t = 2, #keys do
-    local more = redis.call('SMISMEMBER', keys[t], unpack(hashes, i, j))
+    local more = redis.call('SMISMEMBER', keys[t], unpack(list, i, j))
     for k = 1, #got do if more[k] == 1 then got[k] = 1 end end
   end
   return got
+end
+local function bracket(keys)  -- lo held (or 0), hi not held (or last + 1), hi - lo <= 16
+  local probes, p = {}, 1
+  while p < last do probes[#probes + 1] = p; p = p * 2 end
+  probes[#probes + 1] = last
+  local lo, hi = 0, last + 1
+  while #probes > 0 do
+    local list = {}
+    for k, i in ipairs(probes) do list[k] = string.sub(blob, 8 * i - 7, 8 * i) end
+    local got = held(keys, list, 1, #list)
+    for k, i in ipairs(probes) do
+      if got[k] == 1 then lo = i else hi = i; break end
+    end
+    probes = {}
+    if hi - lo > 16 then
+      for k = 1, 15 do probes[k] = lo + math.floor(k * (hi - lo) / 16) end
+    end
+  end
+  return lo, hi
+end
+local function leading(keys, n)  -- blocks 1..n: how many lead without a gap
+  upto(n)
+  for i = 1, n, CHUNK do
+    local j = math.min(i + CHUNK - 1, n)
+    local got = held(keys, hashes, i, j)
+    for k = 1, #got do if got[k] == 0 then return i + k - 2 end end
+  end
+  return n
 end
 local out = {epoch}
 for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
@@ -131,15 +162,10 @@ for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
   if #keys == 0 and redis.call('EXISTS', unpack(tier_keys(w, 7))) == 0 then
     redis.call('SREM', ns .. 'pfx:workers', w)  -- its entries lapsed: stop asking for it
   end
-  local matched, i, size, open = 0, 1, 16, #keys > 0
-  while open and i <= last do
-    local j = math.min(i + size - 1, last)
-    local got = held(keys, i, j)
-    for k = 1, #got do
-      if got[k] == 0 then open = false; break end
-      matched = matched + 1
-    end
-    i, size = j + 1, math.min(size * 4, CHUNK)
+  local matched = 0
+  if #keys > 0 and last > 0 then
+    local _, hi = bracket(keys)
+    matched = leading(keys, hi - 1)
   end
   if matched > 0 then out[#out + 1] = w; out[#out + 1] = matched end
 end
