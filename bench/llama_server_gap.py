@@ -74,6 +74,7 @@ class Config:
 class Plan:
     servers: dict[str, Server] = field(default_factory=dict)
     configs: list[Config] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # servers that did not start
 
 
 def plan(slots: Sequence[int], backend_sampling: bool = True, extra_args: Sequence[str] = ()) -> Plan:
@@ -211,7 +212,7 @@ def summarize(records: list[dict], configs: Sequence[Config]) -> dict:
     for name, ms in protocol.summarize(derive(records, configs)).items():
         measured.setdefault(name, {}).update(ms)
     order = [c.name for c in configs] + ["batched-bench"]
-    return {name: measured[name] for name in order if name in measured}
+    return {name: measured[name] for name in order if measured.get(name)}  # skipped runs leave none
 
 
 def batched_bench_table(summary: dict) -> str:
@@ -231,18 +232,45 @@ async def run_all(args, p: Plan, urls: dict[str, str], bb: Path | None) -> list[
     if bb is not None:
         npl = sorted({c.clients for c in p.configs})
         measures["batched-bench"] = lambda: measure_batched_bench(bb, args, npl)
-    return await protocol.run(measures, args.repeats, args.warmup, progress=not args.quiet)
+    deadline = time.monotonic() + args.budget_s
+
+    def within_budget(measure: protocol.Measure) -> protocol.Measure:
+        # past the budget the remaining runs are skipped (empty metrics, left out of the summary), so a slow
+        # machine still returns what it measured before the device call's time limit
+        async def run() -> dict:
+            return await measure() if time.monotonic() < deadline else {"metrics": {}, "skipped": True}
+        return run
+
+    records = await protocol.run({k: within_budget(m) for k, m in measures.items()}, args.repeats, args.warmup,
+                                 progress=not args.quiet)
+    skipped = sum(1 for r in records if r.get("detail", {}).get("skipped"))
+    if skipped:
+        print(f"warning: budget of {args.budget_s:.0f} s spent: {skipped} of {len(records)} runs skipped",
+              file=sys.stderr)
+    return records
 
 
 def start_servers(args, p: Plan, log_dir: Path, procs: list[Proc]) -> dict[str, str]:
-    """Start every server at once (they load in parallel), then wait for each; returns {name: url}."""
+    """Start every server at once (they load in parallel), then wait for each; returns {name: url}.
+
+    A server that does not come up (e.g. a flag this build rejects) is dropped with its configurations and
+    named in the output, so the rest of the run still happens within the machine's time.
+    """
     urls = {}
     for s in p.servers.values():
         port = free_port()
         procs.append(Proc(f"llama-server-{s.name}", server_argv(args.server, s, args, port), log_dir))
         urls[s.name] = f"http://127.0.0.1:{port}"
-    for proc, url in zip(procs, urls.values()):
-        proc.wait_healthy(url + "/health", timeout=args.start_timeout)
+    for proc, (name, url) in zip(list(procs), list(urls.items())):
+        try:
+            proc.wait_healthy(url + "/health", timeout=args.start_timeout)
+        except RuntimeError as e:
+            print(f"warning: server {name} did not start; its configurations are skipped:\n{e}", file=sys.stderr)
+            p.dropped.append(name)
+            del urls[name]
+    p.configs = [c for c in p.configs if c.server in urls]
+    if not urls:
+        raise RuntimeError("no llama-server started")
     return urls
 
 
@@ -263,6 +291,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     "args (e.g. '-b 256'), measured with Pulse's sampling")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request and per run")
     ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--budget-s", type=float, default=300.0, help="measuring stops after this (runs left skipped)")
     ap.add_argument("--repeats", type=int, default=protocol.MIN_REPEATS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or RESULTS))
@@ -295,10 +324,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(records, p.configs)
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {
         "servers": {s.name: server_argv(args.server, s, args, 0) for s in p.servers.values()},
-        "configs": [vars(c) for c in p.configs], "batched_bench": str(bb) if bb else None}
+        "configs": [vars(c) for c in p.configs], "servers_dropped": p.dropped,
+        "batched_bench": str(bb) if bb else None}
     doc = protocol.result_document("llama_server_gap", records, summary, params, started, machine)
     table = protocol.markdown_table({k: v for k, v in summary.items() if k != "batched-bench"}, TABLE_METRICS)
     text = f"`{doc['command']}`\n\n{table}\n\nllama-batched-bench, same run:\n\n{batched_bench_table(summary)}\n"
+    if p.dropped:
+        text += f"\nservers that did not start (configurations skipped): {', '.join(p.dropped)}\n"
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(doc["finished"]))
     (args.out / f"llama_server_gap-{stamp}.json").write_text(json.dumps(doc, indent=1, default=str))
