@@ -88,6 +88,10 @@ class EngineConfig(PulseModel):
     micro_batches: int | None = Field(
         None, ge=1, description="Micro-batches a pipelined step is cut into; empty: one per stage."
     )
+    pipeline_overlap: bool = Field(
+        False, description="Cross-step pipelining: keep one step per micro-batch group in the stages at once "
+        "instead of draining them at every step's end (docs/PIPELINE.md: measured, off by default)."
+    )
 
 
 class LlamaCheckpointConfig(PulseModel):

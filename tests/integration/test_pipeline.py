@@ -78,6 +78,33 @@ def test_greedy_output_is_the_single_stage_engines(pipelined):
     assert all(s > 0 for s in stats["stage_compute_s"])  # both stages did work
 
 
+def test_cross_step_pipelining_keeps_greedy_output(pipelined):
+    """Two groups of sequences in the ring at once (workers/pipeline/overlap.py): same tokens as the
+    single-stage engine, also when more requests arrive than slots and when one is aborted mid-flight."""
+    prompts = [encode(p) for p in PROMPTS] * 2  # 10 requests, 8 slots: the last two wait for a slot
+    want, _ = run(make_engine(), prompts, 10, tag="o")
+    pipelined.groups = 2
+    try:
+        got, _ = run(pipelined, prompts, 10, tag="o")
+        assert got == want
+        for i, ids in enumerate(prompts[:4]):
+            pipelined.add(GenerateRequest(request_id=f"x{i}", prompt_ids=ids, max_tokens=10,
+                                          sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+        tokens = {f"x{i}": [] for i in range(4)}
+        steps = 0
+        while pipelined.has_work():
+            for out in pipelined.step():
+                tokens[out.request_id] += out.token_ids
+            steps += 1
+            if steps == 3:
+                assert pipelined.model.in_flight >= 1  # the engine keeps a step in the ring between calls
+                pipelined.abort("x1")
+        assert [tokens[f"x{i}"] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+        assert len(tokens["x1"]) < 10 and pipelined.blocks.num_used == 0
+    finally:
+        pipelined.groups = 0
+
+
 def test_prefix_reuse_and_speculation_work_across_stages(pipelined):
     prompt, prediction = encode(EDIT), encode(SOURCE)[1:]
     want, _ = run(make_engine(), [prompt], 16, tag="ref")

@@ -76,13 +76,14 @@ def transport_name(addresses, driver_host: str) -> str:
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True):
-    """An Engine whose model is a PipelinedModel over stage actors; (engine, stages)."""
-    from workers.cupy.engine import Engine
+                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True, overlap=False):
+    """An Engine whose model is a PipelinedModel over stage actors; (engine, stages). `overlap`: cross-step
+    pipelining (workers/pipeline/overlap.py), one group of sequences per micro-batch."""
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.kv_cache import BlockManager
     from workers.cupy.sampler import Sampler
     from workers.cupy.scheduler import Scheduler
+    from workers.pipeline.overlap import OverlapEngine
     from workers.pipeline.recovery import LiveBlocks, StageRecovery
     from workers.pipeline.runner import PipelinedModel
 
@@ -113,7 +114,9 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
         from workers.cupy.gpu import GpuSampler
 
         sampler = GpuSampler(model)
-    engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
+    engine = OverlapEngine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length,
+                           info.vocab_size, seed)
+    engine.groups = model.micro_batches if overlap else 0
     if device != "cpu":
         sampler.engine = engine
     engine.pipeline_actors = stages  # kept alive with the engine; ended by close_pipeline
@@ -142,5 +145,6 @@ def build_for_backend(info, weights, engine_cfg, xp, sizes: dict, block_sink, mu
     engine, _ = create_pipelined_engine(
         info, weights, stages_plan=plan, device=device, micro_batches=engine_cfg.micro_batches,
         model_path=str(info.path), cache_dir=engine_cfg.cache_dir, block_sink=block_sink,
-        bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads, **sizes)
+        bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads,
+        overlap=engine_cfg.pipeline_overlap, **sizes)
     return engine
