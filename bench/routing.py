@@ -16,11 +16,13 @@ own salt at the head of the system prompt, so no run is served from an earlier r
 Per run: TTFT p50/p99 (first streamed content); prefix hit rate = sum cached_tokens / sum prompt_tokens (from
 usage); the oracle's hit rate (see `oracle_hits`) and hit/oracle; prompt tokens left to compute per request,
 this strategy's and the oracle's (round-robin's over the oracle's bounds what any router can gain in prefill
-work); load = requests per worker (x-pulse-worker) max over mean; router decision p99 from the gateway's pulse_router_decision_seconds histogram (interpolated
-within its bucket) and the share of decisions <= 1 ms (exact: 1 ms is a bucket bound); goodput = successful
-requests/s; rejections = 429 + 503 answers; the 1-minute load average at the end of the run. Per request
-(JSON `requests_trace`): send time, worker, prompt / cached / oracle tokens, TTFT, and the requests still
-waiting for their first token at the same worker when it was sent (what it queued behind).
+work); load = requests per worker (x-pulse-worker) max over mean; router decision p99 from the gateway's
+pulse_router_decision_seconds histogram (wall time of the route step, interpolated within its bucket) and
+the share of decisions <= 1 ms (exact: 1 ms is a bucket bound); the p99 of pulse_router_decision_cpu_seconds
+(the decision's own CPU time on the gateway thread, without the time the thread was preempted); goodput =
+successful requests/s; rejections = 429 + 503 answers; the 1-minute load average at the end of the run.
+Per request (JSON `requests_trace`): send time, worker, prompt / cached / oracle tokens, TTFT, and the
+requests still waiting for their first token at the same worker when it was sent (what it queued behind).
 
     python -m bench.routing --repeats 5 --warmup 1
 
@@ -66,8 +68,8 @@ STRATEGIES = ["pulse", "round_robin", "least_loaded", "session_sticky"]
 GOAL_TTFT_X, GOAL_HIT_VS_ORACLE, GOAL_LOAD, GOAL_DECISION_MS = 3.0, 0.9, 1.5, 1.0
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "rr_ttft_p50_over", "hit_rate", "oracle_hit_rate", "hit_vs_oracle",
                  "uncached_per_req", "oracle_uncached_per_req",
-                 "load_max_over_mean", "decision_p99_ms", "decisions_le_1ms", "goodput_req_s", "rejections", "errors",
-                 "load_1m"]
+                 "load_max_over_mean", "decision_p99_ms", "decisions_le_1ms", "decision_cpu_p99_ms", "goodput_req_s",
+                 "rejections", "errors", "load_1m"]
 PLOT_METRICS = ["ttft_p50_ms", "hit_vs_oracle", "load_max_over_mean", "goodput_req_s"]
 WORDS = ("def class return import self value config worker request cache block token prefix route load queue "
          "session prompt test assert error retry stream buffer index redis engine schedule batch decode prefill "
@@ -209,17 +211,20 @@ async def replay(base: str, model: str, trace, salt: str, max_tokens: int, timeo
 
 # ---- the gateway's own figures -----------------------------------------------------------------------------
 
-async def decision_buckets(base: str) -> dict[float, float]:
-    """{le: cumulative count} of pulse_router_decision_seconds, summed over replicas."""
+DECISION_WALL, DECISION_CPU = "pulse_router_decision_seconds", "pulse_router_decision_cpu_seconds"
+
+
+async def decision_buckets(base: str) -> dict[str, dict[float, float]]:
+    """Per histogram (decision wall time, decision CPU time): {le: cumulative count}, summed over replicas."""
     async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
         text = await r.text()
-    out: dict[float, float] = {}
+    out: dict[str, dict[float, float]] = {DECISION_WALL: {}, DECISION_CPU: {}}
     for fam in text_string_to_metric_families(text):
-        if fam.name == "pulse_router_decision_seconds":
+        if fam.name in out:
             for s in fam.samples:
                 if s.name.endswith("_bucket"):
                     le = float(s.labels["le"])
-                    out[le] = out.get(le, 0.0) + s.value
+                    out[fam.name][le] = out[fam.name].get(le, 0.0) + s.value
     return out
 
 
@@ -282,7 +287,9 @@ def make_measure(args, target: dict, counter, encode):
         trace = build_trace(args.trace, salt)
         before = await decision_buckets(target["base"])
         recs, wall = await replay(target["base"], target["model"], trace, salt, args.max_tokens, args.timeout)
-        decision = bucket_quantile(before, await decision_buckets(target["base"]), 0.99)
+        after = await decision_buckets(target["base"])
+        decision = bucket_quantile(before[DECISION_WALL], after[DECISION_WALL], 0.99)
+        cpu_p99, cpu_le_1ms = bucket_quantile(before[DECISION_CPU], after[DECISION_CPU], 0.99)
         recs.sort(key=lambda r: r["sent"])
         for r in recs:
             r["ids"] = encode(r.pop("messages"))
@@ -292,7 +299,9 @@ def make_measure(args, target: dict, counter, encode):
                   "statuses": dict(Counter(r["status"] for r in recs)), "prompt_token_mismatches": mismatched,
                   "wall_s": wall, "requests_trace": request_trace(recs, oracle),
                   "cached": [r["cached"] for r in recs], "oracle": oracle, "prompt": [len(r["ids"]) for r in recs]}
-        metrics = run_metrics(recs, wall, target["workers"], oracle, decision) | {"load_1m": os.getloadavg()[0]}
+        metrics = run_metrics(recs, wall, target["workers"], oracle, decision) | {
+            "decision_cpu_p99_ms": cpu_p99 * 1000 if cpu_p99 is not None else None,
+            "decision_cpu_le_1ms": cpu_le_1ms, "load_1m": os.getloadavg()[0]}
         return {"metrics": metrics, **detail}
     return measure
 
@@ -376,7 +385,9 @@ def verdict(summary: dict) -> list[str]:
     for key, goal, better, label in (("rr_ttft_p50_over", GOAL_TTFT_X, ">=", "TTFT p50 round-robin / pulse"),
                                      ("hit_vs_oracle", GOAL_HIT_VS_ORACLE, ">=", "prefix hits / oracle's"),
                                      ("load_max_over_mean", GOAL_LOAD, "<=", "busiest worker's requests / mean"),
-                                     ("decision_p99_ms", GOAL_DECISION_MS, "<=", "router decision p99 ms")):
+                                     ("decision_p99_ms", GOAL_DECISION_MS, "<=", "router decision p99 ms"),
+                                     ("decision_cpu_p99_ms", GOAL_DECISION_MS, "<=",
+                                      "router decision CPU-time p99 ms")):
         if key not in s:
             lines.append(f"MISS pulse: {label}: not measured")
             continue

@@ -100,7 +100,7 @@ class Dispatcher:
                 if result.worker is not None:
                     span.set_attribute(tm.PULSE_WORKER, result.worker.worker_id)
                 span.set_attribute(tm.PULSE_PREFIX_MATCHED_TOKENS, result.cached_tokens)
-            self.metrics.routed(time.perf_counter() - t0)
+            self.metrics.routed(time.perf_counter() - t0, result.cpu_s)
             self.metrics.prefix_lookup(result.lookup_s, result.cached_tokens, len(gen.prompt_ids))
             chosen["result"] = result
             target = load_of(result.worker) if result.worker is not None else None

@@ -78,6 +78,10 @@ class GatewayMetrics:
                                   ["reason"], registry=r)
         self.route_time = Histogram("pulse_router_decision_seconds", "Time to choose a worker (pure policy).",
                                     buckets=DECISION_BUCKETS, registry=r)
+        self.route_cpu = Histogram("pulse_router_decision_cpu_seconds",
+                                   "CPU time of one routing decision on the gateway's thread: hashing the prompt, "
+                                   "worker loads and the policy (no index round trip, no time preempted).",
+                                   buckets=DECISION_BUCKETS, registry=r)
         self.prefix_lookup_time = Histogram("pulse_prefix_lookup_seconds", "Prefix index lookup, one round trip.",
                                             buckets=DECISION_BUCKETS, registry=r)
         self.prefix_hit_ratio = Histogram("pulse_prefix_hit_ratio",
@@ -119,8 +123,11 @@ class GatewayMetrics:
             child = self._rejections[reason] = self.rejections.labels(reason=reason)
         child.inc()
 
-    def routed(self, seconds: float) -> None:
+    def routed(self, seconds: float, cpu_seconds: float | None = None) -> None:
+        """`seconds`: wall time of the route step (lookup included); `cpu_seconds`: the decision's own CPU."""
         self.route_time.observe(seconds)
+        if cpu_seconds is not None:
+            self.route_cpu.observe(cpu_seconds)
 
     def prefix_lookup(self, seconds: float, matched_tokens: int, prompt_tokens: int) -> None:
         """One prefix-index lookup: its time, and the share of the prompt it found cached somewhere."""

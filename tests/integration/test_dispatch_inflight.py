@@ -75,6 +75,11 @@ async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_
         assert await index.longest_prefix(chain_hashes(PROMPT, 16)) == {w.worker_id: 40}
         ticket = await opening
         assert w.pending_prefill == 0 and w.inflight == 1  # prefill done; the stream is still open
+        # the decision's own CPU time is recorded beside its wall time, and is no larger
+        reg = dispatcher.metrics.registry
+        assert reg.get_sample_value("pulse_router_decision_cpu_seconds_count") == 1
+        cpu = reg.get_sample_value("pulse_router_decision_cpu_seconds_sum")
+        assert 0 < cpu <= reg.get_sample_value("pulse_router_decision_seconds_sum")
         dispatcher.close(ticket)
         assert w.inflight == 0
     finally:
