@@ -5,12 +5,15 @@ actors, on one device, in process.
     python -m bench.pipeline --device cpu --batches 1 4 --tokens 8 --repeats 5      # the CPU box
 
 Configurations, interleaved per repeat (bench/protocol.py): `single-bB` (the engine as the worker runs it:
-on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage) and `pipe1-bB`
-(N stages, no micro-batching: the stages take turns). Each run submits B distinct prompts, greedy, and
-times decode only (from the step after every sequence has its first token to the last token).
-Metrics: aggregate decode tok/s, ms per decode step, the pipeline's transfer cost per token (send + receive
-at every hop, from PipelineStats) and bytes per token, and `identical` (1 when the run's tokens equal the
-single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
+on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage, drained at every
+step's end), `pipe1-bB` (N stages, no micro-batching: the stages take turns) and `pipex-bB` (cross-step
+pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each in the ring at once).
+Each run submits B distinct prompts, greedy, and times decode only (from the step after every sequence has
+its first token to the last token).
+Metrics: aggregate decode tok/s, ms per decode step (decode time / tokens each sequence decoded: with
+cross-step pipelining one engine call finishes one group, so calls are not steps), the pipeline's transfer
+cost per token (send + receive at every hop, from PipelineStats) and bytes per token, and `identical` (1
+when the run's tokens equal the single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
 single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 
 `--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
@@ -64,29 +67,28 @@ def run_once(engine, ids: list[list[int]], tokens: int, tag: str) -> tuple[dict,
         engine.add(GenerateRequest(request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=tokens,
                                    sampling=SamplingParams(temperature=0.0), ignore_eos=True))
     out = {f"{tag}-{i}": [] for i in range(len(ids))}
-    t0, steps, decoded = None, 0, 0
+    t0 = None
     while engine.has_work():
         for o in engine.step():
             out[o.request_id] += o.token_ids
         if t0 is None and all(out.values()):
             t0 = time.perf_counter()  # every sequence has its first token: decode starts
-        elif t0 is not None:
-            steps += 1
     elapsed = time.perf_counter() - t0
     decoded = sum(len(v) - 1 for v in out.values())
-    return {"tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / max(steps, 1)}, list(out.values())
+    steps = max(decoded / len(ids), 1)  # decode steps each sequence went through
+    return {"tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / steps}, list(out.values())
 
 
 def measures(args, engines, info, tok):
     reference: dict[int, list] = {}
     counter = iter(range(10**9))
 
-    def make(name: str, batch: int, micro_batches: int):
+    def make(name: str, batch: int, micro_batches: int, groups: int = 0):
         engine = engines["single" if name == "single" else "pipe"]
 
         async def measure():
             if name != "single":
-                engine.model.micro_batches = micro_batches
+                engine.model.micro_batches, engine.groups = micro_batches, groups
                 before = copy.deepcopy(engine.model.stats.as_dict())
             metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
             if name == "single":
@@ -95,7 +97,7 @@ def measures(args, engines, info, tok):
                 after = engine.model.stats.as_dict()
                 n = max(after["tokens"] - before["tokens"], 1)
                 metrics["transfer_us_per_token"] = 1e6 * (after["transfer_s"] - before["transfer_s"]) / n
-                steps = max(after["steps"] - before["steps"], 1)  # where a step's time goes, ms per step
+                steps = max(len(toks[0]), 1)  # steps each sequence went through (prefill + decode): ms per step
                 metrics["stages_ms"] = 1e3 * sum(a - b for a, b in zip(after["stage_compute_s"],
                                                                        before["stage_compute_s"])) / steps
                 metrics["driver_ms"] = 1e3 * (after["embed_s"] + after["head_s"] - before["embed_s"]
@@ -113,6 +115,7 @@ def measures(args, engines, info, tok):
         out[f"single-b{b}"] = make("single", b, 1)
         out[f"pipe-b{b}"] = make("pipe", b, args.stages)
         out[f"pipe1-b{b}"] = make("pipe1", b, 1)
+        out[f"pipex-b{b}"] = make("pipex", b, args.stages, args.stages)
     return out
 
 
