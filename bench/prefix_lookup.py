@@ -4,8 +4,10 @@ Configurations (interleaved per bench/protocol.py), each timing `--calls` calls 
 - hash@T:          cache.hashing.chain_hashes over a T-token prompt (block 16)
 - memory@B/W:      MemoryPrefixIndex.longest_prefix, B-block prompt, W workers holding 1/W .. W/W of it
 - redis@B/W:       RedisPrefixIndex.longest_prefix against a real redis-server started here (one round trip)
-- redis-chunks@B/W: the same with the lookup script before the bracketing probes (growing dense chunks of
-                   16, 64, 256, ... blocks per worker; kept here only to compare the two in one run)
+- redis-probe@B/W: RedisPrefixIndex(exact=False): probes, and dense checks of only the first 16 blocks and
+                   the bracket's last <= 16 (trusts held blocks past the 16th to form a prefix)
+- redis-chunks@B/W: the exact lookup before the bracketing probes (growing dense chunks of 16, 64, 256, ...
+                   blocks per worker; kept here only to compare with it in one run)
 - decide@W:        policy.routing.choose_worker with W workers and prefix hits
 Metrics: p50/p99 µs per call; for redis also Redis's own time per call (INFO commandstats, µs).
 Goal (issue 6): router decision time p99 <= 1 ms.
@@ -114,7 +116,7 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
                                                          timeout_s=1.0)
         closers.append(red)
         state = {}
-        out.update(redis_chunks_measure(server, blocks, workers, calls, closers))
+        out.update(redis_variants(server, blocks, workers, calls, closers))
 
         async def mem_measure(mem=mem, blocks=blocks, workers=workers, state=state):
             state.setdefault("mh", await fill(mem, blocks, workers))
@@ -148,10 +150,16 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
     return out, closers
 
 
-def redis_chunks_measure(server: RedisServer, blocks: int, workers: int, calls: int, closers: list) -> dict:
-    """redis-chunks@B/W: a RedisPrefixIndex running the previous lookup script, same server and data shape."""
-    red = RedisPrefixIndex(make_client(server.url, 1.0), namespace=f"c{blocks}:", timeout_s=1.0)
-    red._scripts["longest"] = red._r.register_script(_LONGEST_CHUNKS)
+def redis_variants(server: RedisServer, blocks: int, workers: int, calls: int, closers: list) -> dict:
+    """redis-probe@B/W (exact=False) and redis-chunks@B/W (the previous exact script), same server and shape."""
+    probe = RedisPrefixIndex(make_client(server.url, 1.0), namespace=f"p{blocks}:", timeout_s=1.0, exact=False)
+    chunks = RedisPrefixIndex(make_client(server.url, 1.0), namespace=f"c{blocks}:", timeout_s=1.0)
+    chunks._scripts["longest"] = chunks._r.register_script(_LONGEST_CHUNKS)
+    return {f"redis-probe@{blocks}/{workers}": redis_measure(probe, blocks, workers, calls, closers, server),
+            f"redis-chunks@{blocks}/{workers}": redis_measure(chunks, blocks, workers, calls, closers, server)}
+
+
+def redis_measure(red: RedisPrefixIndex, blocks: int, workers: int, calls: int, closers: list, server):
     closers.append(red)
     state: dict = {}
 
@@ -166,7 +174,7 @@ def redis_chunks_measure(server: RedisServer, blocks: int, workers: int, calls: 
         await side.aclose()
         return m
 
-    return {f"redis-chunks@{blocks}/{workers}": measure}
+    return measure
 
 
 async def main_async(args) -> int:

@@ -25,6 +25,13 @@ evict a block's descendants before the block, so held blocks form a prefix), the
 to the bracket's upper end in one SMISMEMBER and returns the first gap. The answer is exact whether or
 not the held blocks form a prefix (the dense check finds any gap; the block past the bracket is known
 missing), and the per-block work is the matched length plus at most 15 blocks, in Redis's C code.
+With `exact=False` the dense check covers only the first 16 blocks and the bracket's last <= 16: the
+answer is then exact when the blocks a worker holds past the 16th form a prefix, which the engines keep
+(the CPU/CuPy engine frees a sequence's blocks tail first and re-touches a block's ancestors whenever the
+block is reused, so LRU evicts descendants first; llama-server slots hold whole prefixes); a gap left by a
+lost eviction event (repaired by the next snapshot) may then be counted as held. It checks ~W x 60 blocks
+instead of the matched lengths: for long agent contexts across many workers that is the difference
+between ~1.5 ms and a fraction of it (bench/prefix_lookup.py).
 (Before, growing chunks of 16, 64, 256, ... blocks overshot the match by up to 4x. Measured on the loaded
 2-core box: SMISMEMBER ~0.5 µs per block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
 Standalone Redis only: scripts touch keys they compute (no Redis Cluster).
@@ -107,9 +114,10 @@ touch(w, tonumber(ARGV[4]))
 return epoch
 """
 
-# ARGV[3] = tier mask, ARGV[4] = hashes in prefix order. Returns {epoch, w1, n1, w2, n2, ...}
+# ARGV[3] = tier mask, ARGV[4] = hashes in prefix order, ARGV[5] = "1": dense check, "0": probes only.
+# Returns {epoch, w1, n1, w2, n2, ...}
 _LONGEST = _PROLOGUE + """
-local mask, blob = tonumber(ARGV[3]), ARGV[4]
+local mask, blob, dense = tonumber(ARGV[3]), ARGV[4], ARGV[5] == '1'
 local last = #blob / 8
 local hashes = {}  -- split lazily: only as deep as some worker matches
 local function upto(j)
@@ -153,6 +161,20 @@ local function leading(keys, n)  -- blocks 1..n: how many lead without a gap
   end
   return n
 end
+local function run_from(keys, a, b)  -- blocks a..b (a <= b, b - a < CHUNK): the last of the run held from a
+  local list = {}
+  for i = a, b do list[#list + 1] = string.sub(blob, 8 * i - 7, 8 * i) end
+  local got = held(keys, list, 1, #list)
+  for k = 1, #got do if got[k] == 0 then return a + k - 2 end end
+  return b
+end
+local function probed(keys, lo, hi)  -- the bracket, trusting held blocks to form a prefix past block 16
+  local head = math.min(16, hi - 1)
+  if head < 1 then return 0 end
+  local m = run_from(keys, 1, head)
+  if m < head or hi - 1 <= 16 then return m end
+  return run_from(keys, math.max(17, lo), hi - 1)
+end
 local out = {epoch}
 for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
   local keys = {}
@@ -164,8 +186,8 @@ for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
   end
   local matched = 0
   if #keys > 0 and last > 0 then
-    local _, hi = bracket(keys)
-    matched = leading(keys, hi - 1)
+    local lo, hi = bracket(keys)
+    if dense then matched = leading(keys, hi - 1) else matched = probed(keys, lo, hi) end
   end
   if matched > 0 then out[#out + 1] = w; out[#out + 1] = matched end
 end
@@ -188,8 +210,10 @@ class RedisPrefixIndex(PrefixIndex):
         retry_interval_s: float = 1.0,
         bulk_timeout_s: float = 5.0,
         on_recovered: Callable[[], object] | None = None,
+        exact: bool = True,
     ):
         self._r = client
+        self.exact = exact  # False: lookups trust held blocks to form a prefix past the first 16 (see above)
         self.namespace = namespace
         self.ttl_s = max(1, int(ttl_s))
         self.bulk_timeout_s = bulk_timeout_s  # snapshot and drop_worker move whole block sets
@@ -250,7 +274,7 @@ class RedisPrefixIndex(PrefixIndex):
         if not hashes:
             return {}
         mask = ALL_TIERS if tiers is None else tier_mask(tiers)
-        out = await self._call("longest", [mask, _pack(hashes)])
+        out = await self._call("longest", [mask, _pack(hashes), "1" if self.exact else "0"])
         return {out[i]: int(out[i + 1]) for i in range(1, len(out), 2)}
 
     async def close(self) -> None:

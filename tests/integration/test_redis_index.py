@@ -296,3 +296,35 @@ async def test_redis_lookup_is_exact_for_any_held_set(redis_server):
                 await red.drop_worker(f"w{w}")
     finally:
         await red.close()
+
+
+async def test_redis_probe_lookup_trusts_prefixes_past_block_16(redis_server):
+    """exact=False: the same answers as the exact lookup whenever each worker's held blocks past the 16th
+    form a prefix (what the engines keep), gaps in the first 16 blocks included; a gap deeper in, away from
+    the probes, is the documented miss: counted as held."""
+    import random
+
+    rng = random.Random(11)
+    red = RedisPrefixIndex(make_client(redis_server.url, 1.0), namespace="probe:", ttl_s=60, timeout_s=1.0,
+                           exact=False)
+    try:
+        for case in range(40):
+            n = rng.choice([1, 5, 16, 17, 40, 256, 700])
+            query = LONG[:n]
+            mem = MemoryPrefixIndex(ttl_s=60)
+            for w in range(3):
+                held = set(range(rng.randint(0, n)))
+                if rng.random() < 0.5 and held:
+                    held.discard(rng.randrange(min(16, n)))  # a gap in the first 16 blocks is still seen
+                hashes = [query[i] for i in sorted(held)]
+                await mem.publish(f"w{w}", hashes)
+                await red.publish(f"w{w}", hashes)
+            assert await red.longest_prefix(query) == await mem.longest_prefix(query), case
+            for w in range(3):
+                await red.drop_worker(f"w{w}")
+        await red.publish("g", [h for i, h in enumerate(LONG[:300]) if i != 99])  # block 100 missing
+        assert await red.longest_prefix(LONG[:300]) == {"g": 300}  # trusted: probes never looked at it
+        red.exact = True
+        assert await red.longest_prefix(LONG[:300]) == {"g": 99}
+    finally:
+        await red.close()
