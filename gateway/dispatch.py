@@ -137,8 +137,8 @@ class Dispatcher:
         """The chosen worker is about to compute this prompt's blocks: record them now, not when its own
         events arrive (up to a poll interval after its prefill), so a request that shares the prefix and
         comes meanwhile (the next turn, another session's first turn with the same system prompt) sees
-        where it is being computed; `pending_prefill_tokens` charges the wait for it. A request that fails
-        the worker refused takes back the blocks it added (`_forget`)."""
+        where it is being computed; `pending_prefill_tokens` charges the wait for it. A request the worker
+        refuses before its first chunk takes back the blocks it added (`_forget`)."""
         hashes = getattr(routed, "hashes", None)
         if self.index is not None and hashes:
             asyncio.get_running_loop().create_task(self._publish(w.worker_id, hashes))

@@ -7,7 +7,7 @@
 Everything here is glue (no policy): hash the prompt's full blocks (cache.hashing.chain_hashes, the
 definition the engine uses; per x-session-id only the blocks new since its last prompt, SessionHashes),
 ask the index once, build a `WorkerLoad` per worker from its last stats
-and this gateway's in-flight count, remember which worker each `x-session-id` went to (bounded LRU),
+and this gateway's fresher counts (in flight there, uncached prompt tokens waiting for their prefill), remember which worker each `x-session-id` went to (bounded LRU),
 and call `choose_worker`. When the index is unavailable (Redis down or slow) routing goes on with no
 prefix hits: load and session affinity only, and `index_ok` is False (count it in a metric).
 """
