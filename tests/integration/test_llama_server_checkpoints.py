@@ -3,6 +3,7 @@ another prompt comes back from its file as cached tokens; the index shows it in 
 least recently used file goes; and with the default config nothing is written."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from cache.hashing import chain_hashes
@@ -40,7 +41,7 @@ async def test_checkpoint_restored_after_its_slot_was_reused_and_lru_deletion(tm
         await collect(backend, request("b1", B, max_tokens=4))  # the one slot now holds B: A was saved first
         assert ck.saves == 1 and files(ck_dir / "t") == {checkpoint_name(held_a[-1])}
 
-        again = A + encode(" The end of the story, and the start of another one." * 3)[1:]  # 2+ more blocks
+        again = A + encode(" The end of the story, and the start of another one." * 8)[1:]  # 64+ more tokens
         usage = (await collect(backend, request("a2", again, max_tokens=4)))[-1].usage
         assert ck.restores == 1 and ck.saves == 2  # B saved before A was restored over it
         assert usage.cached_tokens >= len(A) - 1, usage  # llama-server reused the restored prompt
@@ -87,3 +88,28 @@ async def test_off_by_default_writes_no_files(tmp_path):
     finally:
         await backend.close()
 
+
+
+async def test_save_after_request_saves_in_the_background_once(tmp_path):
+    ck_dir = tmp_path / "ck"
+    backend = make_backend(tmp_path, slots=1, kv_tokens=2048, extra_args=NO_RAM_CACHE, checkpoints={
+        "enabled": True, "dir": str(ck_dir), "min_tokens": 64, "save_after_request": True})
+    await backend.start()
+    ck = backend.checkpoints
+    try:
+        await collect(backend, request("a1", A, max_tokens=4))
+        await _until(lambda: ck.saves == 1)  # saved after the request, not when B takes the slot
+        assert files(ck_dir / "t") == {checkpoint_name(backend.lanes[0].slots.slots[0].hashes[-1])}
+        await collect(backend, request("b1", B, max_tokens=4))
+        await _until(lambda: ck.saves == 2)  # B's own; A was not saved a second time
+        usage = (await collect(backend, request("a2", A, max_tokens=2)))[-1].usage
+        assert ck.restores == 1 and usage.cached_tokens >= len(A) - 1
+    finally:
+        await backend.close()
+
+
+async def _until(cond, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)

@@ -132,3 +132,18 @@ def test_argv_has_slot_save_path_and_swa_full_only_with_checkpoints(path):
     line = " ".join(argv)
     assert ("--slot-save-path /tmp/ck --swa-full" in line) == (path is not None)
     assert ("--slot-save-path" in line) == (path is not None)
+
+
+def test_worth_saving_counts_only_blocks_no_file_holds(tmp_path):
+    from policy.config import LlamaCheckpointConfig
+    from workers.llama_server.checkpointer import Checkpointer
+
+    s, _ = store(tmp_path)
+    ck = Checkpointer(LlamaCheckpointConfig(enabled=True, min_tokens=32), s, BS)  # 2 blocks
+    a, b = save(s, A), save(s, B)
+    assert s.keys() == [a.key, b.key]
+    assert not ck._worth_saving(chain_hashes(A + [1] * 16, BS))  # one block beyond A's file: not worth it
+    assert s.keys() == [b.key, a.key]  # ... and A's file counts as used
+    assert ck._worth_saving(chain_hashes(A + [1] * 32, BS))
+    assert not ck._worth_saving(chain_hashes([7] * 16, BS))  # one block in all
+    assert ck._worth_saving(chain_hashes([7] * 32, BS))

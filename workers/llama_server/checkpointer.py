@@ -7,9 +7,8 @@ Off unless `workers.llama_server.checkpoints.enabled`. With it, every request's 
   is compared with the best slot's; if the file holds at least `min_tokens` and a block more, it is
   restored (`POST /slots/{id}?action=restore`) into the least recently used idle slot, and the request
   then goes to that slot with `cache_prompt`, so llama-server reuses what was restored;
-- before a slot's content is replaced (by that restore, or by a prompt that shares less with it), the
-  full blocks it would lose are saved (`action=save`) when they are `min_tokens` or more and no file
-  holds them yet.
+- before a slot's content is replaced (by that restore, or by a prompt that shares less with it), it is
+  saved (`action=save`) when at least `min_tokens` of its full blocks are in no file yet.
 With `save_after_request`, a slot is also saved when a request on it ends (in the background).
 A failed save or restore never fails the request: it is logged and the request is served from whatever
 the slot holds.
@@ -91,14 +90,15 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------------
 
     def _worth_saving(self, hashes: list[int]) -> bool:
-        """At least min_tokens of full blocks, and not already in a file (which then counts as used)."""
-        if len(hashes) < self.min_blocks:
-            return False
+        """At least min_tokens of full blocks that no file holds yet. A session that grows by a short turn
+        is not saved again each turn (a multi-MB file for one more block): its older file still holds all
+        but those last blocks, and is kept from deletion (touched) as still in use."""
         found = self.store.lookup(hashes)
-        if found is not None and found[1] == len(hashes):
-            self.store.touch(found[0].key)  # still wanted: keep it from being the next file deleted
-            return False
-        return True
+        covered = 0
+        if found is not None:
+            self.store.touch(found[0].key)
+            covered = found[1]
+        return len(hashes) - covered >= self.min_blocks
 
     async def _save_if_lost(self, lane, slot: int, new_tokens: list[int]) -> None:
         s = lane.slots.slots[slot]
