@@ -6,8 +6,10 @@ actors, on one device, in process.
 
 Configurations, interleaved per repeat (bench/protocol.py): `single-bB` (the engine as the worker runs it:
 on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage, drained at every
-step's end), `pipe1-bB` (N stages, no micro-batching: the stages take turns) and `pipex-bB` (cross-step
-pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each in the ring at once).
+step's end), `pipe1-bB` (N stages, no micro-batching: the stages take turns), `pipex-bB` (cross-step
+pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each in the ring at once) and
+`pipetcp-bB` (as `pipe`, arrays over the loopback sockets instead of shared memory; the others use shared
+memory when the stages share the host, as serving does).
 Each run submits B distinct prompts, greedy, and times decode only (from the step after every sequence has
 its first token to the last token).
 Metrics: aggregate decode tok/s, ms per decode step (decode time / tokens each sequence decoded: with
@@ -83,12 +85,14 @@ def measures(args, engines, info, tok):
     reference: dict[int, list] = {}
     counter = iter(range(10**9))
 
-    def make(name: str, batch: int, micro_batches: int, groups: int = 0):
+    def make(name: str, batch: int, micro_batches: int, groups: int = 0, shm: bool = True):
         engine = engines["single" if name == "single" else "pipe"]
 
         async def measure():
             if name != "single":
                 engine.model.micro_batches, engine.groups = micro_batches, groups
+                if engine.model.shm != shm:  # same stages, wired over the other transport (KV kept)
+                    engine.model.rewire(engine.pipeline_actors, shm)
                 before = copy.deepcopy(engine.model.stats.as_dict())
             metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
             if name == "single":
@@ -116,6 +120,7 @@ def measures(args, engines, info, tok):
         out[f"pipe-b{b}"] = make("pipe", b, args.stages)
         out[f"pipe1-b{b}"] = make("pipe1", b, 1)
         out[f"pipex-b{b}"] = make("pipex", b, args.stages, args.stages)
+        out[f"pipetcp-b{b}"] = make("pipetcp", b, args.stages, shm=False)
     return out
 
 

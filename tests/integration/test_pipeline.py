@@ -3,6 +3,8 @@ over real sockets; greedy output identical to the single-stage engine, prefix re
 working with the scheduler and KV manager in the driver, and the EngineBackend hook (`pipeline_stages`)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -73,9 +75,23 @@ def test_greedy_output_is_the_single_stage_engines(pipelined):
     want, _ = run(make_engine(), prompts, 12, tag="g")
     assert got == want
     stats = pipelined.model.stats.as_dict()
-    assert stats["transport"] == "tcp-loopback" and stats["stages"] == 2
+    assert stats["transport"] == "shm" and stats["stages"] == 2  # same host: arrays through shared memory
     assert stats["bytes_per_token"] > 640 * 4  # at least the residual stream crossed a link
     assert all(s > 0 for s in stats["stage_compute_s"])  # both stages did work
+
+
+def test_the_tcp_transport_gives_the_same_tokens(pipelined):
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    want, _ = run(pipelined, prompts, 6, tag="s")
+    pipelined.model.rewire(pipelined.pipeline_actors, shm=False)
+    try:
+        before = pipelined.model.stats.bytes
+        got, _ = run(pipelined, prompts, 6, tag="t")
+        assert got == want and pipelined.model.stats.transport == "tcp-loopback"
+        assert pipelined.model.stats.bytes > before
+    finally:
+        pipelined.model.rewire(pipelined.pipeline_actors, shm=True)
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"pulse-pipe-{os.getpid()}-")][1:]  # old ring gone
 
 
 def test_cross_step_pipelining_keeps_greedy_output(pipelined):

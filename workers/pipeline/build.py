@@ -68,17 +68,23 @@ def gpu_share(n_gpu_stages: int, cluster_gpus: float) -> float:
     return 0.99 if cluster_gpus >= n_gpu_stages else round(0.99 / n_gpu_stages, 4)
 
 
-def transport_name(addresses, driver_host: str) -> str:
+def transport_name(addresses, driver_host: str, shm: bool = True) -> str:
+    """"shm" (header on a loopback socket, arrays through shared memory) when every stage is on the
+    driver's host and `shm`; else "tcp-loopback" or "tcp"."""
     hosts = {h for h, _ in addresses} | {driver_host}
-    return "tcp-loopback" if hosts <= {"127.0.0.1", "localhost"} or len(hosts) == 1 else "tcp"
+    if hosts <= {"127.0.0.1", "localhost"} or len(hosts) == 1:
+        return "shm" if shm else "tcp-loopback"
+    return "tcp"
 
 
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True, overlap=False):
+                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True, overlap=False,
+                            shm=True):
     """An Engine whose model is a PipelinedModel over stage actors; (engine, stages). `overlap`: cross-step
-    pipelining (workers/pipeline/overlap.py), one group of sequences per micro-batch."""
+    pipelining (workers/pipeline/overlap.py), one group of sequences per micro-batch. `shm`: same-host hops
+    move their arrays through shared memory (workers/pipeline/shm.py)."""
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.kv_cache import BlockManager
     from workers.cupy.sampler import Sampler
@@ -101,7 +107,8 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
         ends = GpuEnds(cfg, weights)
     n = len(addresses)
     driver_host = bind_host if bind_host != "0.0.0.0" else _node_ip()
-    model = PipelinedModel(ends, n, transport_name(addresses, bind_host), micro_batches or n, bind_host, driver_host)
+    transport = transport_name(addresses, driver_host, shm)
+    model = PipelinedModel(ends, n, transport, micro_batches or n, bind_host, driver_host)
     model.wire(stages)
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
     kv = model.kv_storage(num_blocks, block_size, max_seqs=max_num_seqs if graphs else 0)

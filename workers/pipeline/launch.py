@@ -43,10 +43,10 @@ class RayStages:
         self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=REVIVE_TIMEOUT_S)
         return [i for i, p in enumerate(self._pids) if before is not None and before[i] != p]
 
-    def connect(self, nexts: list[tuple[str, int]]) -> None:
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
         import ray
 
-        ray.get([a.connect.remote(*nxt) for a, nxt in zip(self.actors, nexts)], timeout=REVIVE_TIMEOUT_S)
+        ray.get([a.connect.remote(*nxt, shm) for a, nxt in zip(self.actors, nexts)], timeout=REVIVE_TIMEOUT_S)
         if getattr(self, "_pids", None) is None:
             self._pids = self.pids()  # what `revive` compares against to tell the restarted stages
 
@@ -64,7 +64,7 @@ def _stage_main(conn, spec: dict) -> None:
     conn.send((stage.address(), stage.pid()))
     # each message is where to connect: the first wiring, then one per rebuilt ring; None ends the process
     while (nxt := conn.recv()) is not None:
-        stage.connect(*nxt)
+        stage.connect(*nxt)  # (host, port, shm)
         conn.send(True)
 
 
@@ -104,9 +104,9 @@ class ProcessStages:
         self._collect(dead)
         return dead
 
-    def connect(self, nexts: list[tuple[str, int]]) -> None:
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
         for c, nxt in zip(self.conns, nexts):
-            c.send(nxt)
+            c.send((*nxt, shm))
         for c in self.conns:
             if not c.poll(REVIVE_TIMEOUT_S):
                 raise TimeoutError("a pipeline stage did not connect")

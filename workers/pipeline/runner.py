@@ -20,6 +20,7 @@ import numpy as np
 
 from workers.cupy.batch import StepBatch
 from workers.pipeline import wire
+from workers.pipeline.shm import ShmReader, ShmRing
 
 
 @dataclass
@@ -90,22 +91,34 @@ class PipelinedModel:
         self._inflight: deque[tuple[int, int]] = deque()  # per launched step: (messages to read, tokens)
         self._alloc: tuple | None = None
         self.up = self.down = None
+        self.shm = transport == "shm"
+        self._reader: ShmReader | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         return self._server.getsockname()
 
-    def wire(self, stages) -> None:
-        """Close the ring: each stage connects to the next, the last to the driver; the driver to the first."""
-        stages.connect(list(stages.addresses[1:]) + [(self._driver_host, self.address[1])])
+    def wire(self, stages, shm: bool | None = None) -> None:
+        """Close the ring: each stage connects to the next, the last to the driver; the driver to the first.
+        `shm`: every hop on this host, arrays through shared memory (shm.py); None: as before."""
+        if shm is not None:
+            self.shm = shm
+            self.stats.transport = "shm" if shm else "tcp-loopback"
+        stages.connect(list(stages.addresses[1:]) + [(self._driver_host, self.address[1])], self.shm)
         self.up = wire.connect(*stages.addresses[0])
         self.down, _ = self._server.accept()
         wire.tune(self.down)
+        self._reader = ShmReader()
         # sends run in their own thread, so a step's later micro-batches never wait behind a full socket
         # while the driver is not yet reading the first one's result
         self._outbox = queue.SimpleQueue()
-        threading.Thread(target=self._send_loop, args=(self._outbox, self.up), name="pipeline-send",
-                         daemon=True).start()
+        threading.Thread(target=self._send_loop, args=(self._outbox, self.up, ShmRing() if self.shm else None),
+                         name="pipeline-send", daemon=True).start()
+
+    def rewire(self, stages, shm: bool) -> None:
+        """Wire the same stages again over another transport (the bench compares them; KV is kept)."""
+        self._disconnect()
+        self.wire(stages, shm)
 
     def rebuild(self, stages) -> list[int]:
         """After a StageLost: tear the ring down (every survivor's loop ends), bring the stages back (the
@@ -123,18 +136,23 @@ class PipelinedModel:
         for s in (self.up, self.down):
             if s is not None:
                 s.close()
-        self.up = self.down = self._outbox = None
+        if self._reader is not None:
+            self._reader.close()
+        self.up = self.down = self._outbox = self._reader = None
         self._inflight.clear()
 
-    def _send_loop(self, outbox: queue.SimpleQueue, sock) -> None:
-        while (item := outbox.get()) is not None:
-            header, arrays = item
-            t0 = time.perf_counter()
-            try:
-                self.stats.bytes += wire.send(sock, header, arrays)
-            except OSError:  # the first stage is gone; the receive side sees the loss and raises StageLost
-                return
-            self.stats.transfer_s += time.perf_counter() - t0
+    def _send_loop(self, outbox: queue.SimpleQueue, sock, ring: ShmRing | None) -> None:
+        try:
+            while (item := outbox.get()) is not None:
+                header, arrays = item
+                t0 = time.perf_counter()
+                self.stats.bytes += wire.send(sock, header, arrays, ring)
+                self.stats.transfer_s += time.perf_counter() - t0
+        except OSError:  # the first stage is gone; the receive side sees the loss and raises StageLost
+            pass
+        finally:
+            if ring is not None:  # the ring is this thread's: closed only once nothing writes to it
+                ring.close()
 
     # --- the engine's model interface --------------------------------------------------------------
     @property
@@ -207,7 +225,7 @@ class PipelinedModel:
 
     def _receive(self) -> dict:
         try:
-            header, arrays, n, recv_s = wire.recv(self.down)
+            header, arrays, n, recv_s = wire.recv(self.down, self._reader)
         except OSError as exc:  # ConnectionError included: a stage (or its process) is gone
             raise StageLost(f"a pipeline stage was lost: {exc}") from exc
         self.stats.bytes += n

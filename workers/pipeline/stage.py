@@ -19,6 +19,7 @@ import threading
 import time
 
 from workers.pipeline import wire
+from workers.pipeline.shm import ShmReader, ShmRing
 
 log = logging.getLogger(__name__)
 META = ("positions", "slot_mapping", "logits_indices", "query_start", "seq_lens", "block_tables")
@@ -59,7 +60,7 @@ class StageActor:
         self.server = wire.listener(bind_host)
         self.host = bind_host if bind_host != "0.0.0.0" else _node_ip()
         self._thread: threading.Thread | None = None
-        self.down = None
+        self.down = self.ring = None
         self._send_s = 0.0
 
     def address(self) -> tuple[str, int]:
@@ -68,14 +69,16 @@ class StageActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def connect(self, host: str, port: int) -> bool:
+    def connect(self, host: str, port: int, shm: bool = False) -> bool:
         """Connect to the next hop and start serving the previous one (which connects to `address()`).
-        Called again after a ring was torn down: the old loop has ended (its sockets closed) or ends soon."""
+        Called again after a ring was torn down: the old loop has ended (its sockets closed) or ends soon.
+        `shm`: the next hop shares this host; the arrays go through a shared-memory ring (shm.py)."""
         if self._thread is not None:
             self._thread.join(timeout=30)
             if self._thread.is_alive():
                 raise RuntimeError(f"stage {self.lo}-{self.hi} is still serving the old ring")
         self.down = wire.connect(host, port)
+        self.ring = ShmRing() if shm else None
         self._thread = threading.Thread(target=self._serve, name=f"stage-{self.lo}-{self.hi}", daemon=True)
         self._thread.start()
         return True
@@ -83,17 +86,21 @@ class StageActor:
     def _serve(self) -> None:
         up, _ = self.server.accept()
         wire.tune(up)
+        reader = ShmReader()
         try:
-            self._loop(up)
+            self._loop(up, reader)
         except OSError as exc:  # a neighbour went away (ConnectionError is an OSError): pass the loss on
             log.warning("stage %d-%d: ring closed (%s)", self.lo, self.hi, exc)
         finally:
             up.close()
             self.down.close()
+            reader.close()
+            if self.ring is not None:
+                self.ring.close()
 
-    def _loop(self, up) -> None:
+    def _loop(self, up, reader: ShmReader) -> None:
         while True:
-            header, arrays, _, recv_s = wire.recv(up)
+            header, arrays, _, recv_s = wire.recv(up, reader)
             t0 = time.perf_counter()
             kind = header["kind"]
             try:
@@ -108,7 +115,8 @@ class StageActor:
             if kind == "run" or header["kind"] == "error":
                 header.setdefault("compute_s", []).append(time.perf_counter() - t0)
             t1 = time.perf_counter()
-            wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays)
+            wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays,
+                      self.ring)
             # this hop's send time rides on the next message (the one just sent cannot carry its own)
             self._send_s = time.perf_counter() - t1
             if kind == "stop":
