@@ -342,27 +342,68 @@ def server_config(args, strategy: str, port: int, log_dir: Path) -> Path:
     return path
 
 
-def start_servers(args, log_dir: Path, procs: list[Proc]) -> dict[str, dict]:
+def launch(args, strategy: str, log_dir: Path, name: str | None = None) -> tuple[Proc, str]:
+    """Start one `pulse serve` for `strategy`; returns the process and its base URL (not yet healthy)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    port = free_port()
+    cfg = server_config(args, strategy, port, log_dir)
+    proc = Proc(name or strategy, python_module("pulse.cli", "serve", "--config", str(cfg)), log_dir, env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def target_of(args, strategy: str, proc: Proc, base: str) -> dict:
+    """Wait until the server answers; its model id and worker ids."""
+    proc.wait_healthy(base + "/health", timeout=args.start_timeout)
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
+        workers = sorted(w["worker_id"] for w in json.load(r)["workers"])
+    if len(workers) != args.workers:
+        raise RuntimeError(f"{strategy}: {len(workers)} workers, expected {args.workers}")
+    return {"base": base, "model": model, "workers": workers}
+
+
+def start_servers(args, log_dir: Path, procs: list[Proc]) -> dict[str, dict]:
     bases = {}
     for strategy in args.strategies:
-        port = free_port()
-        cfg = server_config(args, strategy, port, log_dir)
-        procs.append(Proc(strategy, python_module("pulse.cli", "serve", "--config", str(cfg)), log_dir, env))
-        bases[strategy] = f"http://127.0.0.1:{port}"
+        proc, bases[strategy] = launch(args, strategy, log_dir)
+        procs.append(proc)
         time.sleep(args.stagger)  # Ray clusters starting at the same instant contend for the 2 cores
-    targets = {}
-    for proc, (strategy, base) in zip(procs, bases.items()):
-        proc.wait_healthy(base + "/health", timeout=args.start_timeout)
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            model = json.load(r)["data"][0]["id"]
-        with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
-            workers = sorted(w["worker_id"] for w in json.load(r)["workers"])
-        if len(workers) != args.workers:
-            raise RuntimeError(f"{strategy}: {len(workers)} workers, expected {args.workers}")
-        targets[strategy] = {"base": base, "model": model, "workers": workers}
-    return targets
+    return {s: target_of(args, s, proc, base) for proc, (s, base) in zip(procs, bases.items())}
+
+
+def make_cold_measure(args, strategy: str, log_dir: Path, counter, encode, procs: list[Proc], starts: list):
+    """--one-at-a-time: every run starts its own server, warms each worker with one short request (not
+    counted), replays the trace, and stops the server; so only one server's memory is in use at a time."""
+    n = itertools.count()
+
+    async def measure() -> dict:
+        t0 = time.perf_counter()
+        proc, base = launch(args, strategy, log_dir, f"{strategy}-{next(n)}")
+        procs.append(proc)
+        try:
+            target = await asyncio.to_thread(target_of, args, strategy, proc, base)
+            starts.append({"strategy": strategy, "start_s": time.perf_counter() - t0})
+            await warm_up(target, args.workers)
+            out = await make_measure(args, target, counter, encode)()
+            out["start_s"] = starts[-1]["start_s"]
+            return out
+        finally:
+            procs.remove(proc)
+            await asyncio.to_thread(stop_all, [proc])
+
+    return measure
+
+
+async def warm_up(target: dict, n: int) -> None:
+    """One short request per worker, at once (every strategy spreads concurrent cache misses with no
+    session), so no measured request pays a fresh process's first forward pass."""
+    msgs = [[{"role": "user", "content": f"warm-up {i}: say ok"}] for i in range(n)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await asyncio.gather(*(send(http, target["base"], target["model"], m, "", 2)  # "": no session
+                               for i, m in enumerate(msgs)))
+    await asyncio.sleep(0.6)  # past one worker poll, so the index holds what they computed
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -429,6 +470,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--stagger", type=float, default=5.0, help="seconds between starting the servers")
     ap.add_argument("--start-timeout", type=float, default=420.0)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start and stop a server per run (cold, one server's memory at a time) instead of "
+                         "keeping one server per strategy up for the whole run")
     protocol.add_arguments(ap, RESULTS)
     args = ap.parse_args(argv)
     args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
@@ -445,9 +489,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.out / f"logs-routing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     encode, counter, procs = prompt_builder(), itertools.count(), []
     try:
-        targets = start_servers(args, log_dir, procs)
-        print(f"servers up after {time.time() - started:.0f} s", file=sys.stderr)
-        runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
+        if args.one_at_a_time:
+            starts: list = []
+            runs = {s: make_cold_measure(args, s, log_dir, counter, encode, procs, starts) for s in args.strategies}
+            targets = {"one_at_a_time": starts}
+        else:
+            targets = start_servers(args, log_dir, procs)
+            print(f"servers up after {time.time() - started:.0f} s", file=sys.stderr)
+            runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet))
         report(args, records, targets, machine, started)
     finally:
