@@ -80,5 +80,8 @@ async def test_a_killed_stage_is_rebuilt_and_serves_the_same_tokens(local_ray):
         got, last = await asyncio.wait_for(tokens_of(backend, request("after", 6)), 120)
         assert got == want and last.finish_reason == "length"
         assert backend._engine.pipeline_recovery.recoveries == 2
+        seen = set(pids) | set(new_pids) | set(await asyncio.to_thread(stages.pids))
     finally:
         await backend.close()
+    # the killed stages' shared-memory rings (and the closed ones') are removed, not left in /dev/shm
+    assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(f"pulse-pipe-{p}-") for p in seen)]

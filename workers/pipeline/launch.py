@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from workers.pipeline.shm import remove_rings
+
 STAGE_RESTARTS = 8  # per stage actor: enough for a flaky box, bounded so a stage that cannot start gives up
 REVIVE_TIMEOUT_S = 300.0  # a restarted stage reloads its layers: minutes for a large model on a slow disk
 
@@ -41,7 +43,9 @@ class RayStages:
         before = getattr(self, "_pids", None)
         self._pids = ray.get([a.pid.remote() for a in self.actors], timeout=REVIVE_TIMEOUT_S)
         self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=REVIVE_TIMEOUT_S)
-        return [i for i, p in enumerate(self._pids) if before is not None and before[i] != p]
+        restarted = [i for i, p in enumerate(self._pids) if before is not None and before[i] != p]
+        remove_rings(before[i] for i in restarted)
+        return restarted
 
     def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
         import ray
@@ -55,6 +59,7 @@ class RayStages:
 
         for a in self.actors:
             ray.kill(a)  # no_restart: a stage ended on purpose stays ended
+        remove_rings(getattr(self, "_pids", None) or [])  # a killed actor leaves its ring behind
 
 
 def _stage_main(conn, spec: dict) -> None:
@@ -97,6 +102,7 @@ class ProcessStages:
         while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
             time.sleep(0.02)
         dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        remove_rings(self._pids[i] for i in dead)
         for i in dead:
             self.procs[i].join()
             self.conns[i].close()
@@ -121,3 +127,4 @@ class ProcessStages:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        remove_rings(self._pids)

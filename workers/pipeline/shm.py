@@ -13,6 +13,8 @@ instead, so the sender never waits for the ring.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import mmap
 import os
 import uuid
@@ -20,6 +22,7 @@ import uuid
 import numpy as np
 
 _CTRL = 64  # the consumed counter, on its own cache line
+_PREFIX = "/dev/shm/pulse-pipe-"
 RING_BYTES = 32 << 20  # holds a few prefill chunks of a large model's residual stream
 
 
@@ -27,7 +30,7 @@ class ShmRing:
     """The sending side of one hop."""
 
     def __init__(self, capacity: int = RING_BYTES):
-        self.path = f"/dev/shm/pulse-pipe-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, _CTRL + capacity)
@@ -60,6 +63,14 @@ class ShmRing:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def remove_rings(pids) -> None:
+    """Remove the rings of stage processes that ended without closing them (killed, or ended by Ray)."""
+    for pid in pids:
+        for path in glob.glob(f"{_PREFIX}{int(pid)}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class ShmReader:
