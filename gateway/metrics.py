@@ -241,6 +241,8 @@ _WORKER_COUNTERS = (
     ("pulse_worker_pipeline_transfer_bytes", "Activation bytes moved between pipeline stages.",
      "pipeline_transfer_bytes"),
     ("pulse_worker_pipeline_tokens", "Tokens that crossed a pipelined engine's stages.", "pipeline_tokens"),
+    ("pulse_worker_pipeline_rebuilds", "Times a pipelined engine rebuilt its stages after losing one.",
+     "pipeline_rebuilds"),
 )
 # (metric without _total, help, snapshot field, label): lists indexed by draft position (1-based) or K.
 _WORKER_VECTORS = (
@@ -279,6 +281,8 @@ class WorkerStatsCollector:
         fams.append(GaugeMetricFamily("pulse_worker_kv_blocks_free", "KV cache blocks free.", labels=["worker"]))
         fams.append(GaugeMetricFamily("pulse_worker_healthy", "1 if the backend would serve a request now.",
                                       labels=["worker"]))
+        fams.append(GaugeMetricFamily("pulse_worker_pipeline_transport", "1 for the transport a pipelined engine's "
+                                      "stages use (shm, tcp-loopback, tcp).", labels=["worker", "transport"]))
         fams += [CounterMetricFamily(n, h, labels=["worker"]) for n, h, _ in _WORKER_COUNTERS]
         fams += [CounterMetricFamily(n, h, labels=["worker", lab]) for n, h, _, lab in _WORKER_VECTORS]
         return fams
@@ -298,6 +302,9 @@ class WorkerStatsCollector:
             healthy = _field(snap, "healthy")
             if healthy is not None:
                 by_name["pulse_worker_healthy"].add_metric([worker], 1.0 if healthy else 0.0)
+            transport = _field(snap, "pipeline_transport")
+            if transport:
+                by_name["pulse_worker_pipeline_transport"].add_metric([worker, transport], 1.0)
             for name, _, field in _WORKER_COUNTERS:
                 value = _field(snap, field)
                 if value is not None:

@@ -131,7 +131,8 @@ class EngineBackend(Backend):
         return BackendStats(
             **({} if pipe is None else {
                 "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],
-                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"]}),
+                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"],
+                "pipeline_rebuilds": pipe["rebuilds"]}),
             **({} if spec is None else {
                 "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
                 "drafted_by_position": list(spec.drafted_by_position),

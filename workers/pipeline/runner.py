@@ -38,6 +38,7 @@ class PipelineStats:
     embed_s: float = 0.0  # the driver's own compute: embeddings in, head out
     head_s: float = 0.0
     stage_compute_s: list[float] = field(default_factory=list)
+    rebuilds: int = 0  # rings rebuilt after a lost stage (recovery.py)
 
     def as_dict(self) -> dict:
         t = max(self.tokens, 1)
@@ -126,6 +127,7 @@ class PipelinedModel:
         self._disconnect()
         restarted = stages.revive()
         self.wire(stages)
+        self.stats.rebuilds += 1
         if self._alloc is not None:
             self.kv_storage(*self._alloc)
         return restarted
