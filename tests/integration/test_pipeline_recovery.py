@@ -80,6 +80,8 @@ async def test_a_killed_stage_is_rebuilt_and_serves_the_same_tokens(local_ray):
         got, last = await asyncio.wait_for(tokens_of(backend, request("after", 6)), 120)
         assert got == want and last.finish_reason == "length"
         assert backend._engine.pipeline_recovery.recoveries == 2
+        stats = backend.stats()  # what /metrics shows: pulse_worker_pipeline_rebuilds_total, _transport
+        assert stats.pipeline_rebuilds == 2 and stats.pipeline_transport == "shm"
         seen = set(pids) | set(new_pids) | set(await asyncio.to_thread(stages.pids))
     finally:
         await backend.close()

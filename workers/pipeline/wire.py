@@ -3,8 +3,8 @@
 One message is a msgpack header (what the step is, each array's dtype and shape, per-stage timings) and
 the arrays' raw bytes, sent with one sendmsg (no copy of the arrays on the sending side) and received into
 one buffer (NumPy views on it, no second copy). On a same-host hop the arrays may instead go through a
-shared-memory ring (shm.py) and the socket carries the header alone. Loopback on one host, the network across hosts: the same
-code, so a Thor + desktop pair runs exactly what CI runs. Ray only sets the stages up (placement,
+shared-memory ring (shm.py) and the socket carries the header alone. Loopback on one host, the network
+across hosts: the same code, so a Thor + desktop pair runs what CI runs (over `tcp`). Ray only sets the stages up (placement,
 addresses); the per-token path never crosses a Ray call, whose ~0.5-1 ms round trip would be paid per
 micro-batch per stage.
 """
