@@ -19,12 +19,12 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import time
 
 import numpy as np
 
 from bench.llama_cpu import LlamaCpu
+from bench.machine import describe, machine_info
 from bench.protocol import by_repeat, command_line, schedule, spread, summarize
 from workers.cupy.engine import create_engine
 from workers.cupy.models import build_model
@@ -142,6 +142,7 @@ def main(argv=None) -> dict:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=args.threads, user_api="blas")
+    machine = describe(machine_info())  # before the run: its load average is the one at the start
     info = load_model_info(None)
     model = build_model(info, load_weights(info.path), Ops(np))
     loop = asyncio.new_event_loop()
@@ -156,7 +157,7 @@ def main(argv=None) -> dict:
         loop.close()
     summary = summarize(records)
     result = {
-        "command": command_line(), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "command": command_line(), "machine": machine,
         "load_average_1m": spread(loads), "blas_threads": args.threads, "llama_threads": args.llama_threads,
         "summary": summary, "ratios": _ratios(records, servers), "records": records,
     }
