@@ -108,14 +108,20 @@ def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str) -> 
     out = {}
     body = direct_body(ids, args.tokens)
     for c in args.clients:
-        common = dict(clients=c, duration=args.duration, requests=c * args.requests_per_client,
+        requests = max(args.min_requests, c * args.requests_per_client)  # enough for a p50 at 1 client too
+        common = dict(clients=c, duration=args.duration, requests=requests,
                       max_tokens=args.tokens, prompt=ids, timeout=args.timeout)
-        out[config_name("direct", c)] = LoadSpec(url=direct_url, api="llama", body_extra=body, **common)
+        # one connection per request, as Pulse's backend does: cpp-httplib closes kept-alive connections
+        # under it (every second direct request failed with ClientOSError when they were reused)
+        out[config_name("direct", c)] = LoadSpec(url=direct_url, api="llama", body_extra=body, force_close=True,
+                                                 **common)
         out[config_name("pulse", c)] = LoadSpec(url=pulse_url, api="completions", model=model, **common)
     return out
 
 
-async def _measure(spec: LoadSpec, path: list) -> dict:
+async def _measure(spec: LoadSpec, path: list, pulse: Proc) -> dict:
+    if pulse.popen.poll() is not None:  # measuring a dead server would only record connection errors
+        raise RuntimeError(f"pulse serve exited with {pulse.popen.returncode}:\n{pulse.log_tail()}")
     out = await _load_with_cpu(spec, path)
     m = out["metrics"]
     m["tokens_per_req"] = m["tok_s"] * m["wall_s"] / m["ok"] if m["ok"] else None
@@ -162,7 +168,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=4, help="max_tokens per request (small: 32 CPU clients must finish)")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (cached after warm-up)")
     ap.add_argument("--requests-per-client", type=int, default=2, help="requests per client per run")
-    ap.add_argument("--duration", type=float, default=20.0, help="cap on seconds of load per run")
+    ap.add_argument("--min-requests", type=int, default=16, help="at least this many requests per run")
+    ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request")
     ap.add_argument("--slots", type=int, default=32, help="llama-server -np: as many as clients, so none queues")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="llama-server -c, shared by the slots")
@@ -197,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         direct_url = f"http://127.0.0.1:{llama_port}"
         ids = prompt_ids(args.prompt_tokens)
         paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}
-        runs = {name: (lambda s=s, p=paths[name.split("@")[0]]: _measure(s, p))
+        runs = {name: (lambda s=s, p=paths[name.split("@")[0]]: _measure(s, p, pulse))
                 for name, s in specs(args, ids, pulse_url, first_model(pulse_url), direct_url).items()}
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
         same = llama_servers(pulse.popen.pid) == [(llama_pid, llama_port)]  # no restart spoiled the pairing

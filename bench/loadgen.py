@@ -52,6 +52,7 @@ class LoadSpec:
     api_key: str | None = None
     allow_remote: bool = False
     body_extra: dict | None = None  # fields added to (or replacing) the request body, e.g. sampling settings
+    force_close: bool = False  # a new connection per request (llama-server drops kept-alive ones under load)
 
 
 @dataclass
@@ -176,7 +177,7 @@ async def run_load(spec: LoadSpec) -> dict:
     url = spec.url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     timeout = aiohttp.ClientTimeout(total=spec.timeout)
-    connector = aiohttp.TCPConnector(limit=spec.clients)
+    connector = aiohttp.TCPConnector(limit=spec.clients, force_close=spec.force_close)
     results: list[RequestResult] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         start = time.perf_counter()
