@@ -19,6 +19,11 @@ when the run's tokens equal the single-stage engine's for the same batch). The n
 single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 
 `--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
+
+`--wire` measures the transport alone: a ping-pong between this process and an echo process over one
+loopback hop, `tcp` (arrays on the socket) against `shm` (arrays through the shared-memory ring, header
+on the socket), for messages of 1, 8, 32 and 512 tokens of this model's residual stream (640 fp32), without
+the model: µs per hop (round trip / 2) and MB/s of payload.
 """
 from __future__ import annotations
 
@@ -138,6 +143,92 @@ def notes(summary: dict, batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+WIRE_TOKENS = (1, 8, 32, 512)
+WIRE_HIDDEN = 640
+
+
+def _echo(port: int, shm: bool) -> None:
+    """The far end of the --wire ping-pong: every message straight back, over the same transport."""
+    from workers.pipeline import wire
+    from workers.pipeline.shm import ShmReader, ShmRing
+
+    sock, reader, ring = wire.connect("127.0.0.1", port), ShmReader(), ShmRing() if shm else None
+    try:
+        while (msg := wire.recv(sock, reader))[0].get("kind") != "stop":
+            wire.send(sock, msg[0], msg[1], ring)
+            reader.release()
+    finally:
+        reader.close()
+        if ring is not None:
+            ring.close()
+
+
+def wire_measures(stack):
+    import multiprocessing as mp
+
+    from workers.pipeline import wire
+    from workers.pipeline.shm import ShmReader, ShmRing
+
+    ends = {}
+    for name in ("tcp", "shm"):
+        lis = wire.listener("127.0.0.1")
+        proc = mp.get_context("spawn").Process(target=_echo, args=(lis.getsockname()[1], name == "shm"), daemon=True)
+        proc.start()
+        sock, _ = lis.accept()
+        lis.close()
+        ends[name] = (wire.tune(sock), ShmReader(), ShmRing() if name == "shm" else None, proc)
+    stack.append(ends)
+
+    def make(name: str, tokens: int):
+        sock, reader, ring, _ = ends[name]
+        x = np.random.default_rng(0).standard_normal((tokens, WIRE_HIDDEN), dtype=np.float32)
+        n = max(20, 4000 // tokens)
+
+        async def measure():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                wire.send(sock, {"kind": "run"}, {"x": x}, ring)
+                wire.recv(sock, reader)
+                reader.release()
+            hop = (time.perf_counter() - t0) / n / 2
+            return {"us_per_hop": 1e6 * hop, "MB_s": x.nbytes / hop / 1e6}
+
+        return measure
+
+    return {f"{name}-t{t}": make(name, t) for t in WIRE_TOKENS for name in ("tcp", "shm")}
+
+
+def close_wire(ends: dict) -> None:
+    from workers.pipeline import wire
+
+    for sock, reader, ring, proc in ends.values():
+        wire.send(sock, {"kind": "stop"}, {})
+        proc.join(timeout=10)
+        sock.close()
+        reader.close()
+        if ring is not None:
+            ring.close()
+
+
+def main_wire(args) -> int:
+    machine = machine_info()
+    started, stack = time.time(), []
+    try:
+        records = asyncio.run(protocol.run(wire_measures(stack), args.repeats, args.warmup, not args.quiet))
+    finally:
+        for ends in stack:
+            close_wire(ends)
+    summary = protocol.summarize(records)
+    metrics = ["us_per_hop", "MB_s"]
+    table = protocol.markdown_table(summary, metrics)
+    doc = protocol.result_document("pipeline-wire", records, summary, vars(args) | {"out": str(args.out)}, started,
+                                   machine)
+    paths = protocol.write_result(doc, table, metrics, args.out, "")
+    print(table)
+    print(f"wrote {paths['md']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -147,8 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--launcher", default="ray", choices=["ray", "process"])
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path")
+    ap.add_argument("--wire", action="store_true", help="measure the transport alone (tcp vs shm ping-pong)")
     protocol.add_arguments(ap, Path("bench/results"))
     args = ap.parse_args(argv)
+    if args.wire:
+        return main_wire(args)
     from threadpoolctl import threadpool_limits
 
     from workers.cupy.weights import load_weights

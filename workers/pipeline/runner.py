@@ -171,6 +171,7 @@ class PipelinedModel:
         self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size,
                            "max_seqs": max_seqs}, {}))
         self._receive()
+        self._reader.release()
         return PipelineKV(num_blocks, block_size)
 
     def forward(self, batch: StepBatch, kv: PipelineKV):
@@ -204,15 +205,18 @@ class PipelinedModel:
                 raise
             except RuntimeError as exc:
                 error = error or exc
-        if error is not None:
-            raise error
-        self.stats.steps += 1
-        self.stats.tokens += tokens
-        t0 = time.perf_counter()
-        logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
-        if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
-            self.ends.synchronize()
-        self.stats.head_s += time.perf_counter() - t0
+        try:
+            if error is not None:
+                raise error
+            self.stats.steps += 1
+            self.stats.tokens += tokens
+            t0 = time.perf_counter()
+            logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+            if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
+                self.ends.synchronize()
+            self.stats.head_s += time.perf_counter() - t0
+        finally:
+            self._reader.release()  # the rows were read in place from the last stage's ring
         return logits
 
     def drain(self) -> None:

@@ -117,6 +117,7 @@ class StageActor:
             t1 = time.perf_counter()
             wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays,
                       self.ring)
+            reader.release()  # the input (read in place from a shared-memory ring) is done with
             # this hop's send time rides on the next message (the one just sent cannot carry its own)
             self._send_s = time.perf_counter() - t1
             if kind == "stop":

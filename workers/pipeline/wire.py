@@ -27,7 +27,8 @@ def send(sock: socket.socket, header: dict, arrays: dict[str, np.ndarray], ring=
     arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     header = {**header, "arrays": [[k, a.dtype.str, list(a.shape)] for k, a in arrays.items()]}
     payload = sum(a.nbytes for a in arrays.values())
-    where = ring.put([a for a in arrays.values() if a.nbytes]) if ring is not None and payload else None
+    use_ring = ring is not None and payload >= ring.min_bytes
+    where = ring.put([a for a in arrays.values() if a.nbytes]) if use_ring else None
     if where is not None:
         header["shm"] = where
     head = _enc.encode(header)
@@ -54,7 +55,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 def recv(sock: socket.socket, reader=None) -> tuple[dict, dict[str, np.ndarray], int, float]:
     """One message: (header, arrays by name, bytes read, seconds from its first bytes to its last).
-    `reader` (shm.ShmReader): where a header says its arrays are in shared memory, they are copied from there.
+    `reader` (shm.ShmReader): where a header says its arrays are in shared memory, they are views on it,
+    valid until the caller's `reader.release()`.
 
     The seconds leave out the wait for the message to start (the peer computing), so they are the
     transfer's own cost: decoding, copying, and on a real link the payload's time on the wire."""
