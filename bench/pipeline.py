@@ -5,15 +5,25 @@ actors, on one device, in process.
     python -m bench.pipeline --device cpu --batches 1 4 --tokens 8 --repeats 5      # the CPU box
 
 Configurations, interleaved per repeat (bench/protocol.py): `single-bB` (the engine as the worker runs it:
-on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage) and `pipe1-bB`
-(N stages, no micro-batching: the stages take turns). Each run submits B distinct prompts, greedy, and
-times decode only (from the step after every sequence has its first token to the last token).
-Metrics: aggregate decode tok/s, ms per decode step, the pipeline's transfer cost per token (send + receive
-at every hop, from PipelineStats) and bytes per token, and `identical` (1 when the run's tokens equal the
-single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
+on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per stage, drained at every
+step's end), `pipe1-bB` (N stages, no micro-batching: the stages take turns), `pipex-bB` (cross-step
+pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each in the ring at once) and
+`pipetcp-bB` (as `pipe`, arrays over the loopback sockets instead of shared memory; the others use shared
+memory when the stages share the host, as serving does).
+Each run submits B distinct prompts, greedy, and times decode only (from the step after every sequence has
+its first token to the last token).
+Metrics: aggregate decode tok/s, ms per decode step (decode time / tokens each sequence decoded: with
+cross-step pipelining one engine call finishes one group, so calls are not steps), the pipeline's transfer
+cost per token (send + receive at every hop, from PipelineStats) and bytes per token, and `identical` (1
+when the run's tokens equal the single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
 single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 
 `--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
+
+`--wire` measures the transport alone: a ping-pong between this process and an echo process over one
+loopback hop, `tcp` (arrays on the socket) against `shm` (arrays through the shared-memory ring, header
+on the socket), for messages of 1, 8, 32 and 512 tokens of this model's residual stream (640 fp32), without
+the model: µs per hop (round trip / 2) and MB/s of payload.
 """
 from __future__ import annotations
 
@@ -64,29 +74,30 @@ def run_once(engine, ids: list[list[int]], tokens: int, tag: str) -> tuple[dict,
         engine.add(GenerateRequest(request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=tokens,
                                    sampling=SamplingParams(temperature=0.0), ignore_eos=True))
     out = {f"{tag}-{i}": [] for i in range(len(ids))}
-    t0, steps, decoded = None, 0, 0
+    t0 = None
     while engine.has_work():
         for o in engine.step():
             out[o.request_id] += o.token_ids
         if t0 is None and all(out.values()):
             t0 = time.perf_counter()  # every sequence has its first token: decode starts
-        elif t0 is not None:
-            steps += 1
     elapsed = time.perf_counter() - t0
     decoded = sum(len(v) - 1 for v in out.values())
-    return {"tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / max(steps, 1)}, list(out.values())
+    steps = max(decoded / len(ids), 1)  # decode steps each sequence went through
+    return {"tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / steps}, list(out.values())
 
 
 def measures(args, engines, info, tok):
     reference: dict[int, list] = {}
     counter = iter(range(10**9))
 
-    def make(name: str, batch: int, micro_batches: int):
+    def make(name: str, batch: int, micro_batches: int, groups: int = 0, shm: bool = True):
         engine = engines["single" if name == "single" else "pipe"]
 
         async def measure():
             if name != "single":
-                engine.model.micro_batches = micro_batches
+                engine.model.micro_batches, engine.groups = micro_batches, groups
+                if engine.model.shm != shm:  # same stages, wired over the other transport (KV kept)
+                    engine.model.rewire(engine.pipeline_actors, shm)
                 before = copy.deepcopy(engine.model.stats.as_dict())
             metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
             if name == "single":
@@ -95,7 +106,7 @@ def measures(args, engines, info, tok):
                 after = engine.model.stats.as_dict()
                 n = max(after["tokens"] - before["tokens"], 1)
                 metrics["transfer_us_per_token"] = 1e6 * (after["transfer_s"] - before["transfer_s"]) / n
-                steps = max(after["steps"] - before["steps"], 1)  # where a step's time goes, ms per step
+                steps = max(len(toks[0]), 1)  # steps each sequence went through (prefill + decode): ms per step
                 metrics["stages_ms"] = 1e3 * sum(a - b for a, b in zip(after["stage_compute_s"],
                                                                        before["stage_compute_s"])) / steps
                 metrics["driver_ms"] = 1e3 * (after["embed_s"] + after["head_s"] - before["embed_s"]
@@ -113,6 +124,8 @@ def measures(args, engines, info, tok):
         out[f"single-b{b}"] = make("single", b, 1)
         out[f"pipe-b{b}"] = make("pipe", b, args.stages)
         out[f"pipe1-b{b}"] = make("pipe1", b, 1)
+        out[f"pipex-b{b}"] = make("pipex", b, args.stages, args.stages)
+        out[f"pipetcp-b{b}"] = make("pipetcp", b, args.stages, shm=False)
     return out
 
 
@@ -130,6 +143,92 @@ def notes(summary: dict, batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+WIRE_TOKENS = (1, 8, 32, 512)
+WIRE_HIDDEN = 640
+
+
+def _echo(port: int, shm: bool) -> None:
+    """The far end of the --wire ping-pong: every message straight back, over the same transport."""
+    from workers.pipeline import wire
+    from workers.pipeline.shm import ShmReader, ShmRing
+
+    sock, reader, ring = wire.connect("127.0.0.1", port), ShmReader(), ShmRing() if shm else None
+    try:
+        while (msg := wire.recv(sock, reader))[0].get("kind") != "stop":
+            wire.send(sock, msg[0], msg[1], ring)
+            reader.release()
+    finally:
+        reader.close()
+        if ring is not None:
+            ring.close()
+
+
+def wire_measures(stack):
+    import multiprocessing as mp
+
+    from workers.pipeline import wire
+    from workers.pipeline.shm import ShmReader, ShmRing
+
+    ends = {}
+    for name in ("tcp", "shm"):
+        lis = wire.listener("127.0.0.1")
+        proc = mp.get_context("spawn").Process(target=_echo, args=(lis.getsockname()[1], name == "shm"), daemon=True)
+        proc.start()
+        sock, _ = lis.accept()
+        lis.close()
+        ends[name] = (wire.tune(sock), ShmReader(), ShmRing() if name == "shm" else None, proc)
+    stack.append(ends)
+
+    def make(name: str, tokens: int):
+        sock, reader, ring, _ = ends[name]
+        x = np.random.default_rng(0).standard_normal((tokens, WIRE_HIDDEN), dtype=np.float32)
+        n = max(20, 4000 // tokens)
+
+        async def measure():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                wire.send(sock, {"kind": "run"}, {"x": x}, ring)
+                wire.recv(sock, reader)
+                reader.release()
+            hop = (time.perf_counter() - t0) / n / 2
+            return {"us_per_hop": 1e6 * hop, "MB_s": x.nbytes / hop / 1e6}
+
+        return measure
+
+    return {f"{name}-t{t}": make(name, t) for t in WIRE_TOKENS for name in ("tcp", "shm")}
+
+
+def close_wire(ends: dict) -> None:
+    from workers.pipeline import wire
+
+    for sock, reader, ring, proc in ends.values():
+        wire.send(sock, {"kind": "stop"}, {})
+        proc.join(timeout=10)
+        sock.close()
+        reader.close()
+        if ring is not None:
+            ring.close()
+
+
+def main_wire(args) -> int:
+    machine = machine_info()
+    started, stack = time.time(), []
+    try:
+        records = asyncio.run(protocol.run(wire_measures(stack), args.repeats, args.warmup, not args.quiet))
+    finally:
+        for ends in stack:
+            close_wire(ends)
+    summary = protocol.summarize(records)
+    metrics = ["us_per_hop", "MB_s"]
+    table = protocol.markdown_table(summary, metrics)
+    doc = protocol.result_document("pipeline-wire", records, summary, vars(args) | {"out": str(args.out)}, started,
+                                   machine)
+    paths = protocol.write_result(doc, table, metrics, args.out, "")
+    print(table)
+    print(f"wrote {paths['md']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -139,8 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--launcher", default="ray", choices=["ray", "process"])
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path")
+    ap.add_argument("--wire", action="store_true", help="measure the transport alone (tcp vs shm ping-pong)")
     protocol.add_arguments(ap, Path("bench/results"))
     args = ap.parse_args(argv)
+    if args.wire:
+        return main_wire(args)
     from threadpoolctl import threadpool_limits
 
     from workers.cupy.weights import load_weights

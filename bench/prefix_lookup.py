@@ -4,6 +4,10 @@ Configurations (interleaved per bench/protocol.py), each timing `--calls` calls 
 - hash@T:          cache.hashing.chain_hashes over a T-token prompt (block 16)
 - memory@B/W:      MemoryPrefixIndex.longest_prefix, B-block prompt, W workers holding 1/W .. W/W of it
 - redis@B/W:       RedisPrefixIndex.longest_prefix against a real redis-server started here (one round trip)
+- redis-probe@B/W: RedisPrefixIndex(exact=False): probes, and dense checks of only the first 16 blocks and
+                   the bracket's last <= 16 (trusts held blocks past the 16th to form a prefix)
+- redis-chunks@B/W: the exact lookup before the bracketing probes (growing dense chunks of 16, 64, 256, ...
+                   blocks per worker; kept here only to compare with it in one run)
 - decide@W:        policy.routing.choose_worker with W workers and prefix hits
 Metrics: p50/p99 µs per call; for redis also Redis's own time per call (INFO commandstats, µs).
 Goal (issue 6): router decision time p99 <= 1 ms.
@@ -23,7 +27,7 @@ from bench.machine import machine_info
 from cache.hashing import chain_hashes
 from cache.memory_index import MemoryPrefixIndex
 from cache.redis_guard import make_client
-from cache.redis_index import RedisPrefixIndex
+from cache.redis_index import _PROLOGUE, RedisPrefixIndex
 from policy.config import RoutingConfig
 from policy.routing import choose_worker
 from policy.types import RouteRequest, WorkerLoad
@@ -32,6 +36,49 @@ from tests.conftest_redis import RedisServer
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(64, 4), (512, 4), (1024, 8)]  # (prompt blocks, workers): 1k, 8k, 16k tokens
 METRICS = ["p50_us", "p99_us", "redis_server_us"]
+
+# The lookup script before commit "redis index: bracket each worker's match with batched probes".
+_LONGEST_CHUNKS = _PROLOGUE + """
+local mask, blob = tonumber(ARGV[3]), ARGV[4]
+local last = #blob / 8
+local hashes = {}  -- split lazily: only as deep as some worker matches
+local function upto(j)
+  if j > #hashes then
+    for _, h in ipairs(split(blob, #hashes + 1, j)) do hashes[#hashes + 1] = h end
+  end
+end
+local function held(keys, i, j)  -- per block i..j: held in any of keys? (1 or 0)
+  upto(j)
+  local got = redis.call('SMISMEMBER', keys[1], unpack(hashes, i, j))
+  for t = 2, #keys do
+    local more = redis.call('SMISMEMBER', keys[t], unpack(hashes, i, j))
+    for k = 1, #got do if more[k] == 1 then got[k] = 1 end end
+  end
+  return got
+end
+local out = {epoch}
+for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
+  local keys = {}
+  for _, key in ipairs(tier_keys(w, mask)) do
+    if redis.call('EXISTS', key) == 1 then keys[#keys + 1] = key end
+  end
+  if #keys == 0 and redis.call('EXISTS', unpack(tier_keys(w, 7))) == 0 then
+    redis.call('SREM', ns .. 'pfx:workers', w)  -- its entries lapsed: stop asking for it
+  end
+  local matched, i, size, open = 0, 1, 16, #keys > 0
+  while open and i <= last do
+    local j = math.min(i + size - 1, last)
+    local got = held(keys, i, j)
+    for k = 1, #got do
+      if got[k] == 0 then open = false; break end
+      matched = matched + 1
+    end
+    i, size = j + 1, math.min(size * 4, CHUNK)
+  end
+  if matched > 0 then out[#out + 1] = w; out[#out + 1] = matched end
+end
+return out
+"""
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -69,6 +116,7 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
                                                          timeout_s=1.0)
         closers.append(red)
         state = {}
+        out.update(redis_variants(server, blocks, workers, calls, closers))
 
         async def mem_measure(mem=mem, blocks=blocks, workers=workers, state=state):
             state.setdefault("mh", await fill(mem, blocks, workers))
@@ -100,6 +148,33 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
 
         out[f"decide@{workers}"] = lambda d=decide: timed(d, calls)
     return out, closers
+
+
+def redis_variants(server: RedisServer, blocks: int, workers: int, calls: int, closers: list) -> dict:
+    """redis-probe@B/W (exact=False) and redis-chunks@B/W (the previous exact script), same server and shape."""
+    probe = RedisPrefixIndex(make_client(server.url, 1.0), namespace=f"p{blocks}:", timeout_s=1.0, exact=False)
+    chunks = RedisPrefixIndex(make_client(server.url, 1.0), namespace=f"c{blocks}:", timeout_s=1.0)
+    chunks._scripts["longest"] = chunks._r.register_script(_LONGEST_CHUNKS)
+    return {f"redis-probe@{blocks}/{workers}": redis_measure(probe, blocks, workers, calls, closers, server),
+            f"redis-chunks@{blocks}/{workers}": redis_measure(chunks, blocks, workers, calls, closers, server)}
+
+
+def redis_measure(red: RedisPrefixIndex, blocks: int, workers: int, calls: int, closers: list, server):
+    closers.append(red)
+    state: dict = {}
+
+    async def measure():
+        if "h" not in state:
+            await red.connect()
+            state["h"] = await fill(red, blocks, workers)
+        side = make_client(server.url, 1.0)
+        await side.config_resetstat()
+        m = await timed(lambda: red.longest_prefix(state["h"]), calls)
+        m["redis_server_us"] = (await side.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"]
+        await side.aclose()
+        return m
+
+    return measure
 
 
 async def main_async(args) -> int:

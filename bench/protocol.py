@@ -123,9 +123,17 @@ def add_arguments(ap, out_dir: Path) -> None:
 
 def _progress(total: int, enabled: bool):
     # tqdm draws a status line on stderr; disabled it is a no-op with the same methods
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU machine's Python has no tqdm: no status line there
+        return _NoBar()
     return tqdm(total=total, disable=not enabled, file=sys.stderr, leave=False)
+
+
+class _NoBar:
+    def set_description(self, _: str) -> None: ...
+    def update(self, _: int) -> None: ...
+    def close(self) -> None: ...
 
 
 def markdown_table(

@@ -7,23 +7,31 @@ rotated per the protocol; warm-up repeats are discarded.
 
 The trace: `sessions` agent sessions run concurrently, each `turns` turns in order (`x-session-id` set,
 a think time before each turn); every prompt starts with one shared system prompt; each turn appends a user
-message, the assistant's previous message stays in the history (a fixed synthetic text, so the trace is the
-same for every strategy whatever the model answers); now and then a turn edits a message in the middle of
-the history (everything after it changes). Short answers (max_tokens 4, temperature 0). Every run gets its
+message carrying a tool result (a file read, a test log: 60-140 words, most of a turn's new tokens), the
+assistant's previous message stays in the history (a fixed synthetic text, so the trace is the same for
+every strategy whatever the model answers); now and then a turn edits a message in the middle of the
+history (everything after it changes). Short answers (max_tokens 4, temperature 0). Every run gets its
 own salt at the head of the system prompt, so no run is served from an earlier run's cache.
 
 Per run: TTFT p50/p99 (first streamed content); prefix hit rate = sum cached_tokens / sum prompt_tokens (from
-usage); the oracle's hit rate (see `oracle_hits`) and hit/oracle; load = requests per worker (x-pulse-worker)
-max over mean; router decision p99 from the gateway's pulse_router_decision_seconds histogram (interpolated
-within its bucket) and the share of decisions <= 1 ms (exact: 1 ms is a bucket bound); goodput = successful
-requests/s; rejections = 429 + 503 answers.
+usage); the oracle's hit rate (see `oracle_hits`) and hit/oracle; prompt tokens left to compute per request,
+this strategy's and the oracle's (round-robin's over the oracle's bounds what any router can gain in prefill
+work); load = requests per worker (x-pulse-worker) max over mean; router decision p99 from the gateway's
+pulse_router_decision_seconds histogram (wall time of the route step, interpolated within its bucket) and
+the share of decisions <= 1 ms (exact: 1 ms is a bucket bound); the p99 of pulse_router_decision_cpu_seconds
+(the decision's own CPU time on the gateway thread, without the time the thread was preempted); goodput =
+successful requests/s; rejections = 429 + 503 answers; the 1-minute load average at the end of the run.
+Per request (JSON `requests_trace`): send time, worker, prompt / cached / oracle tokens, TTFT, and the
+requests still waiting for their first token at the same worker when it was sent (what it queued behind).
 
     python -m bench.routing --repeats 5 --warmup 1
 
-Memory: each `pulse serve` is its own Ray instance (~1.5 GB) and each CPU engine worker took ~1 GB here, so
-four servers of four workers (16 workers) ran the 24 GiB box out of memory (Ray's OOM killer restarted
-workers mid-run; those figures were thrown away). On that box compare in pairs, round-robin beside Pulse:
-`--strategies pulse round_robin`, then `--strategies least_loaded session_sticky`.
+Memory: each `pulse serve` is its own Ray instance (~1.5 GB). The CPU engine workers share the weights:
+the dequantized tensors and the packed layer matrices are memory-mapped from ~/.cache/pulse (one copy in the
+page cache for every worker on the box). What a CPU worker holds privately (~680 MB measured) is mostly its
+tokenizer (~280 MB) and the grammar vocabulary index (~310 MB). Before the packed matrices were cached each
+worker also held ~475 MB of private weight copies, and four servers of four workers ran the 24 GiB box out
+of memory.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import signal
 import statistics
@@ -58,7 +67,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ["pulse", "round_robin", "least_loaded", "session_sticky"]
 GOAL_TTFT_X, GOAL_HIT_VS_ORACLE, GOAL_LOAD, GOAL_DECISION_MS = 3.0, 0.9, 1.5, 1.0
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "rr_ttft_p50_over", "hit_rate", "oracle_hit_rate", "hit_vs_oracle",
-                 "load_max_over_mean", "decision_p99_ms", "decisions_le_1ms", "goodput_req_s", "rejections", "errors"]
+                 "uncached_per_req", "oracle_uncached_per_req",
+                 "load_max_over_mean", "decision_p99_ms", "decisions_le_1ms", "decision_cpu_p99_ms", "goodput_req_s",
+                 "rejections", "errors", "load_1m"]
 PLOT_METRICS = ["ttft_p50_ms", "hit_vs_oracle", "load_max_over_mean", "goodput_req_s"]
 WORDS = ("def class return import self value config worker request cache block token prefix route load queue "
          "session prompt test assert error retry stream buffer index redis engine schedule batch decode prefill "
@@ -74,6 +85,7 @@ class TraceSpec:
     turns: int = 5
     system_words: int = 180  # the shared system prompt (~1.3 tokens a word)
     user_words: tuple[int, int] = (14, 28)
+    tool_words: tuple[int, int] = (60, 140)  # each turn carries a tool result (a file read, a test run)
     answer_words: tuple[int, int] = (8, 16)
     edit_prob: float = 0.2  # chance a turn (from the 3rd on) rewrites a message in the middle of the history
     think_s: tuple[float, float] = (0.3, 1.0)
@@ -85,7 +97,12 @@ def _text(rng: random.Random, n: int) -> str:
 
 
 def _user(rng: random.Random, spec: TraceSpec, head: str) -> dict:
-    return {"role": "user", "content": f"{head} " + _text(rng, rng.randint(*spec.user_words))}
+    """An agent turn: a short instruction plus the tool output the agent read (file, diff, test log). The tool
+    output is what makes an agent's context grow: it is most of each turn's new tokens."""
+    text = f"{head} " + _text(rng, rng.randint(*spec.user_words))
+    if spec.tool_words[1] > 0:
+        text += "\n<tool_result>\n" + _text(rng, rng.randint(*spec.tool_words)) + "\n</tool_result>"
+    return {"role": "user", "content": text}
 
 
 def build_trace(spec: TraceSpec, salt: str) -> list[list[tuple[float, list[dict]]]]:
@@ -194,17 +211,20 @@ async def replay(base: str, model: str, trace, salt: str, max_tokens: int, timeo
 
 # ---- the gateway's own figures -----------------------------------------------------------------------------
 
-async def decision_buckets(base: str) -> dict[float, float]:
-    """{le: cumulative count} of pulse_router_decision_seconds, summed over replicas."""
+DECISION_WALL, DECISION_CPU = "pulse_router_decision_seconds", "pulse_router_decision_cpu_seconds"
+
+
+async def decision_buckets(base: str) -> dict[str, dict[float, float]]:
+    """Per histogram (decision wall time, decision CPU time): {le: cumulative count}, summed over replicas."""
     async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
         text = await r.text()
-    out: dict[float, float] = {}
+    out: dict[str, dict[float, float]] = {DECISION_WALL: {}, DECISION_CPU: {}}
     for fam in text_string_to_metric_families(text):
-        if fam.name == "pulse_router_decision_seconds":
+        if fam.name in out:
             for s in fam.samples:
                 if s.name.endswith("_bucket"):
                     le = float(s.labels["le"])
-                    out[le] = out.get(le, 0.0) + s.value
+                    out[fam.name][le] = out[fam.name].get(le, 0.0) + s.value
     return out
 
 
@@ -246,6 +266,9 @@ def run_metrics(recs: list[dict], wall: float, workers: list[str], oracle: list[
         "ttft_p50_ms": statistics.median(ttft) * 1000 if ttft else None,
         "ttft_p99_ms": q[98] * 1000 if q else None,
         "hit_rate": hit,
+        "uncached_per_req": (prompt - sum(r["cached"] for r in ok)) / len(ok) if ok else None,
+        "oracle_uncached_per_req": sum(len(r["ids"]) - o for r, o, g in zip(recs, oracle, good) if g) / len(ok)
+        if ok else None,
         "oracle_hit_rate": oracle_rate,
         "hit_vs_oracle": hit / oracle_rate if hit is not None and oracle_rate else None,
         "load_max_over_mean": max(loads) / statistics.mean(loads) if sum(loads) else None,
@@ -264,7 +287,9 @@ def make_measure(args, target: dict, counter, encode):
         trace = build_trace(args.trace, salt)
         before = await decision_buckets(target["base"])
         recs, wall = await replay(target["base"], target["model"], trace, salt, args.max_tokens, args.timeout)
-        decision = bucket_quantile(before, await decision_buckets(target["base"]), 0.99)
+        after = await decision_buckets(target["base"])
+        decision = bucket_quantile(before[DECISION_WALL], after[DECISION_WALL], 0.99)
+        cpu_p99, cpu_le_1ms = bucket_quantile(before[DECISION_CPU], after[DECISION_CPU], 0.99)
         recs.sort(key=lambda r: r["sent"])
         for r in recs:
             r["ids"] = encode(r.pop("messages"))
@@ -272,10 +297,32 @@ def make_measure(args, target: dict, counter, encode):
         mismatched = sum(r["status"] == 200 and r["prompt"] != len(r["ids"]) for r in recs)
         detail = {"per_worker": dict(Counter(r["worker"] for r in recs)),
                   "statuses": dict(Counter(r["status"] for r in recs)), "prompt_token_mismatches": mismatched,
-                  "wall_s": wall,
+                  "wall_s": wall, "requests_trace": request_trace(recs, oracle),
                   "cached": [r["cached"] for r in recs], "oracle": oracle, "prompt": [len(r["ids"]) for r in recs]}
-        return {"metrics": run_metrics(recs, wall, target["workers"], oracle, decision), **detail}
+        metrics = run_metrics(recs, wall, target["workers"], oracle, decision) | {
+            "decision_cpu_p99_ms": cpu_p99 * 1000 if cpu_p99 is not None else None,
+            "decision_cpu_le_1ms": cpu_le_1ms, "load_1m": os.getloadavg()[0]}
+        return {"metrics": metrics, **detail}
     return measure
+
+
+def request_trace(recs: list[dict], oracle: list[int]) -> list[dict]:
+    """Per request (in send order): when sent (s from the first), worker, prompt / cached / oracle tokens, TTFT,
+    and what it queued behind: requests sent earlier to the same worker (and to any worker) that had not yet
+    produced their first token when it was sent (their prefill was ahead of it, or running beside it)."""
+    t0 = recs[0]["sent"] if recs else 0.0
+    first = [r["sent"] + r["ttft"] if r["ttft"] is not None else float("inf") for r in recs]
+    out = []
+    for i, r in enumerate(recs):
+        ahead = [j for j in range(i) if first[j] > r["sent"]]
+        out.append({"t": round(r["sent"] - t0, 3), "worker": r["worker"], "status": r["status"],
+                    "prompt": len(r["ids"]), "cached": r["cached"], "oracle": oracle[i],
+                    "ttft_ms": round(r["ttft"] * 1000, 1) if r["ttft"] is not None else None,
+                    "ahead_same_worker": sum(recs[j]["worker"] == r["worker"] for j in ahead),
+                    "ahead_uncached_same_worker": sum(len(recs[j]["ids"]) - recs[j]["cached"] for j in ahead
+                                                      if recs[j]["worker"] == r["worker"]),
+                    "ahead_any_worker": len(ahead)})
+    return out
 
 
 # ---- servers -----------------------------------------------------------------------------------------------
@@ -295,27 +342,68 @@ def server_config(args, strategy: str, port: int, log_dir: Path) -> Path:
     return path
 
 
-def start_servers(args, log_dir: Path, procs: list[Proc]) -> dict[str, dict]:
+def launch(args, strategy: str, log_dir: Path, name: str | None = None) -> tuple[Proc, str]:
+    """Start one `pulse serve` for `strategy`; returns the process and its base URL (not yet healthy)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    port = free_port()
+    cfg = server_config(args, strategy, port, log_dir)
+    proc = Proc(name or strategy, python_module("pulse.cli", "serve", "--config", str(cfg)), log_dir, env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def target_of(args, strategy: str, proc: Proc, base: str) -> dict:
+    """Wait until the server answers; its model id and worker ids."""
+    proc.wait_healthy(base + "/health", timeout=args.start_timeout)
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
+        workers = sorted(w["worker_id"] for w in json.load(r)["workers"])
+    if len(workers) != args.workers:
+        raise RuntimeError(f"{strategy}: {len(workers)} workers, expected {args.workers}")
+    return {"base": base, "model": model, "workers": workers}
+
+
+def start_servers(args, log_dir: Path, procs: list[Proc]) -> dict[str, dict]:
     bases = {}
     for strategy in args.strategies:
-        port = free_port()
-        cfg = server_config(args, strategy, port, log_dir)
-        procs.append(Proc(strategy, python_module("pulse.cli", "serve", "--config", str(cfg)), log_dir, env))
-        bases[strategy] = f"http://127.0.0.1:{port}"
+        proc, bases[strategy] = launch(args, strategy, log_dir)
+        procs.append(proc)
         time.sleep(args.stagger)  # Ray clusters starting at the same instant contend for the 2 cores
-    targets = {}
-    for proc, (strategy, base) in zip(procs, bases.items()):
-        proc.wait_healthy(base + "/health", timeout=args.start_timeout)
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            model = json.load(r)["data"][0]["id"]
-        with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
-            workers = sorted(w["worker_id"] for w in json.load(r)["workers"])
-        if len(workers) != args.workers:
-            raise RuntimeError(f"{strategy}: {len(workers)} workers, expected {args.workers}")
-        targets[strategy] = {"base": base, "model": model, "workers": workers}
-    return targets
+    return {s: target_of(args, s, proc, base) for proc, (s, base) in zip(procs, bases.items())}
+
+
+def make_cold_measure(args, strategy: str, log_dir: Path, counter, encode, procs: list[Proc], starts: list):
+    """--one-at-a-time: every run starts its own server, warms each worker with one short request (not
+    counted), replays the trace, and stops the server; so only one server's memory is in use at a time."""
+    n = itertools.count()
+
+    async def measure() -> dict:
+        t0 = time.perf_counter()
+        proc, base = launch(args, strategy, log_dir, f"{strategy}-{next(n)}")
+        procs.append(proc)
+        try:
+            target = await asyncio.to_thread(target_of, args, strategy, proc, base)
+            starts.append({"strategy": strategy, "start_s": time.perf_counter() - t0})
+            await warm_up(target, args.workers)
+            out = await make_measure(args, target, counter, encode)()
+            out["start_s"] = starts[-1]["start_s"]
+            return out
+        finally:
+            procs.remove(proc)
+            await asyncio.to_thread(stop_all, [proc])
+
+    return measure
+
+
+async def warm_up(target: dict, n: int) -> None:
+    """One short request per worker, at once (every strategy spreads concurrent cache misses with no
+    session), so no measured request pays a fresh process's first forward pass."""
+    msgs = [[{"role": "user", "content": f"warm-up {i}: say ok"}] for i in range(n)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await asyncio.gather(*(send(http, target["base"], target["model"], m, "", 2)  # "": no session
+                               for i, m in enumerate(msgs)))
+    await asyncio.sleep(0.6)  # past one worker poll, so the index holds what they computed
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -338,7 +426,9 @@ def verdict(summary: dict) -> list[str]:
     for key, goal, better, label in (("rr_ttft_p50_over", GOAL_TTFT_X, ">=", "TTFT p50 round-robin / pulse"),
                                      ("hit_vs_oracle", GOAL_HIT_VS_ORACLE, ">=", "prefix hits / oracle's"),
                                      ("load_max_over_mean", GOAL_LOAD, "<=", "busiest worker's requests / mean"),
-                                     ("decision_p99_ms", GOAL_DECISION_MS, "<=", "router decision p99 ms")):
+                                     ("decision_p99_ms", GOAL_DECISION_MS, "<=", "router decision p99 ms"),
+                                     ("decision_cpu_p99_ms", GOAL_DECISION_MS, "<=",
+                                      "router decision CPU-time p99 ms")):
         if key not in s:
             lines.append(f"MISS pulse: {label}: not measured")
             continue
@@ -367,7 +457,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--kv-blocks", type=int, default=80, help="KV blocks per worker (small: caches evict)")
+    ap.add_argument("--kv-blocks", type=int, default=160,
+                    help="KV blocks per worker: about 3 of the trace's final contexts, so caches evict")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=2, help="running sequences per worker")
     ap.add_argument("--max-tokens", type=int, default=4)
@@ -379,6 +470,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--stagger", type=float, default=5.0, help="seconds between starting the servers")
     ap.add_argument("--start-timeout", type=float, default=420.0)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start and stop a server per run (cold, one server's memory at a time) instead of "
+                         "keeping one server per strategy up for the whole run")
     protocol.add_arguments(ap, RESULTS)
     args = ap.parse_args(argv)
     args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
@@ -395,9 +489,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.out / f"logs-routing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     encode, counter, procs = prompt_builder(), itertools.count(), []
     try:
-        targets = start_servers(args, log_dir, procs)
-        print(f"servers up after {time.time() - started:.0f} s", file=sys.stderr)
-        runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
+        if args.one_at_a_time:
+            starts: list = []
+            runs = {s: make_cold_measure(args, s, log_dir, counter, encode, procs, starts) for s in args.strategies}
+            targets = {"one_at_a_time": starts}
+        else:
+            targets = start_servers(args, log_dir, procs)
+            print(f"servers up after {time.time() - started:.0f} s", file=sys.stderr)
+            runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet))
         report(args, records, targets, machine, started)
     finally:

@@ -33,6 +33,8 @@ import numpy as np
 from bench import protocol
 from bench.machine import machine_info
 
+MODEL: str | None = None  # the GGUF (--model); None: the bundled model package
+
 SOURCES = {
     "geometry.py": '''import math
 
@@ -107,7 +109,7 @@ def build_engine(device: str, max_num_seqs: int, kv_tokens: int, max_step_tokens
     from workers.protocol.model import load_model_info
 
     xp = array_module(device)
-    info = load_model_info(None)
+    info = load_model_info(MODEL)
     weights = load_weights(info.path)
     sizes = dict(block_size=16, num_blocks=kv_tokens // 16, max_num_seqs=max_num_seqs,
                  max_step_tokens=max_step_tokens, context_length=info.context_length, seed=0)
@@ -125,7 +127,7 @@ def build_engine(device: str, max_num_seqs: int, kv_tokens: int, max_step_tokens
 def encode(info, text: str) -> list[int]:
     from workers.protocol.model import load_tokenizer
 
-    return [info.bos_token_id] + load_tokenizer(None).encode(text, add_special_tokens=False).ids
+    return [info.bos_token_id] + load_tokenizer(MODEL).encode(text, add_special_tokens=False).ids
 
 
 def fixed_k(k: int):
@@ -205,7 +207,7 @@ def grid_prompts(info, context: int, streams: int, workload: str = "code") -> li
     ("code": the answer repeats a file, drafts hold) or an open question ("chat": little to look up)."""
     from workers.protocol.model import load_tokenizer
 
-    tok, names, out = load_tokenizer(None), list(SOURCES), []
+    tok, names, out = load_tokenizer(MODEL), list(SOURCES), []
     for s in range(streams):
         target = names[s % len(names)]
         if workload == "chat":
@@ -283,6 +285,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("part", choices=["edit", "grid"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model package)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024], help="grid: prompt tokens")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="grid: streams at once")
@@ -292,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path (the worker's default)")
     protocol.add_arguments(ap, Path("bench/results"))
     args = ap.parse_args(argv)
+    global MODEL
+    MODEL = args.model
     from threadpoolctl import threadpool_limits
 
     from policy.profiles import builtin_profiles, select_profile

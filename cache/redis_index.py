@@ -19,10 +19,21 @@ Layout (NS = RedisConfig.namespace):
 Expiry is per worker: its sets expire `ttl_s` after its last publish, evict or snapshot, so a worker
 that died without drop_worker vanishes; single lost evictions are repaired by the snapshot a worker
 sends when `on_recovered` fires (and periodically).
-A lookup asks each worker's sets with SMISMEMBER in growing chunks (16, 64, 256, ... blocks) and stops
-at the worker's first missing block, so the per-block work runs in Redis's C code and costs the
-matched length, not the prompt length. (Measured on the loaded 2-core box: SMISMEMBER ~0.5 µs per
-block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
+A lookup first brackets each worker's match with a few batched probes (blocks 1, 2, 4, ..., last in one
+SMISMEMBER, then 15 evenly spaced points inside the bracket until it is <= 16 blocks wide: the engines
+evict a block's descendants before the block, so held blocks form a prefix), then checks every block up
+to the bracket's upper end in one SMISMEMBER and returns the first gap. The answer is exact whether or
+not the held blocks form a prefix (the dense check finds any gap; the block past the bracket is known
+missing), and the per-block work is the matched length plus at most 15 blocks, in Redis's C code.
+With `exact=False` the dense check covers only the first 16 blocks and the bracket's last <= 16: the
+answer is then exact when the blocks a worker holds past the 16th form a prefix, which the engines keep
+(the CPU/CuPy engine frees a sequence's blocks tail first and re-touches a block's ancestors whenever the
+block is reused, so LRU evicts descendants first; llama-server slots hold whole prefixes); a gap left by a
+lost eviction event (repaired by the next snapshot) may then be counted as held. It checks ~W x 60 blocks
+instead of the matched lengths: for long agent contexts across many workers that is the difference
+between ~1.5 ms and a fraction of it (bench/prefix_lookup.py).
+(Before, growing chunks of 16, 64, 256, ... blocks overshot the match by up to 4x. Measured on the loaded
+2-core box: SMISMEMBER ~0.5 µs per block inside a script, against ~1.9 µs for ZMSCORE and ~1 µs for HMGET.)
 Standalone Redis only: scripts touch keys they compute (no Redis Cluster).
 """
 from __future__ import annotations
@@ -103,9 +114,10 @@ touch(w, tonumber(ARGV[4]))
 return epoch
 """
 
-# ARGV[3] = tier mask, ARGV[4] = hashes in prefix order. Returns {epoch, w1, n1, w2, n2, ...}
+# ARGV[3] = tier mask, ARGV[4] = hashes in prefix order, ARGV[5] = "1": dense check, "0": probes only.
+# Returns {epoch, w1, n1, w2, n2, ...}
 _LONGEST = _PROLOGUE + """
-local mask, blob = tonumber(ARGV[3]), ARGV[4]
+local mask, blob, dense = tonumber(ARGV[3]), ARGV[4], ARGV[5] == '1'
 local last = #blob / 8
 local hashes = {}  -- split lazily: only as deep as some worker matches
 local function upto(j)
@@ -113,14 +125,55 @@ local function upto(j)
     for _, h in ipairs(split(blob, #hashes + 1, j)) do hashes[#hashes + 1] = h end
   end
 end
-local function held(keys, i, j)  -- per block i..j: held in any of keys? (1 or 0)
-  upto(j)
-  local got = redis.call('SMISMEMBER', keys[1], unpack(hashes, i, j))
+local function held(keys, list, i, j)  -- per hash list[i..j]: held in any of keys? (1 or 0)
+  local got = redis.call('SMISMEMBER', keys[1], unpack(list, i, j))
   for t = 2, #keys do
-    local more = redis.call('SMISMEMBER', keys[t], unpack(hashes, i, j))
+    local more = redis.call('SMISMEMBER', keys[t], unpack(list, i, j))
     for k = 1, #got do if more[k] == 1 then got[k] = 1 end end
   end
   return got
+end
+local function bracket(keys)  -- lo held (or 0), hi not held (or last + 1), hi - lo <= 16
+  local probes, p = {}, 1
+  while p < last do probes[#probes + 1] = p; p = p * 2 end
+  probes[#probes + 1] = last
+  local lo, hi = 0, last + 1
+  while #probes > 0 do
+    local list = {}
+    for k, i in ipairs(probes) do list[k] = string.sub(blob, 8 * i - 7, 8 * i) end
+    local got = held(keys, list, 1, #list)
+    for k, i in ipairs(probes) do
+      if got[k] == 1 then lo = i else hi = i; break end
+    end
+    probes = {}
+    if hi - lo > 16 then
+      for k = 1, 15 do probes[k] = lo + math.floor(k * (hi - lo) / 16) end
+    end
+  end
+  return lo, hi
+end
+local function leading(keys, n)  -- blocks 1..n: how many lead without a gap
+  upto(n)
+  for i = 1, n, CHUNK do
+    local j = math.min(i + CHUNK - 1, n)
+    local got = held(keys, hashes, i, j)
+    for k = 1, #got do if got[k] == 0 then return i + k - 2 end end
+  end
+  return n
+end
+local function run_from(keys, a, b)  -- blocks a..b (a <= b, b - a < CHUNK): the last of the run held from a
+  local list = {}
+  for i = a, b do list[#list + 1] = string.sub(blob, 8 * i - 7, 8 * i) end
+  local got = held(keys, list, 1, #list)
+  for k = 1, #got do if got[k] == 0 then return a + k - 2 end end
+  return b
+end
+local function probed(keys, lo, hi)  -- the bracket, trusting held blocks to form a prefix past block 16
+  local head = math.min(16, hi - 1)
+  if head < 1 then return 0 end
+  local m = run_from(keys, 1, head)
+  if m < head or hi - 1 <= 16 then return m end
+  return run_from(keys, math.max(17, lo), hi - 1)
 end
 local out = {epoch}
 for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
@@ -131,15 +184,10 @@ for _, w in ipairs(redis.call('SMEMBERS', ns .. 'pfx:workers')) do
   if #keys == 0 and redis.call('EXISTS', unpack(tier_keys(w, 7))) == 0 then
     redis.call('SREM', ns .. 'pfx:workers', w)  -- its entries lapsed: stop asking for it
   end
-  local matched, i, size, open = 0, 1, 16, #keys > 0
-  while open and i <= last do
-    local j = math.min(i + size - 1, last)
-    local got = held(keys, i, j)
-    for k = 1, #got do
-      if got[k] == 0 then open = false; break end
-      matched = matched + 1
-    end
-    i, size = j + 1, math.min(size * 4, CHUNK)
+  local matched = 0
+  if #keys > 0 and last > 0 then
+    local lo, hi = bracket(keys)
+    if dense then matched = leading(keys, hi - 1) else matched = probed(keys, lo, hi) end
   end
   if matched > 0 then out[#out + 1] = w; out[#out + 1] = matched end
 end
@@ -162,8 +210,10 @@ class RedisPrefixIndex(PrefixIndex):
         retry_interval_s: float = 1.0,
         bulk_timeout_s: float = 5.0,
         on_recovered: Callable[[], object] | None = None,
+        exact: bool = True,
     ):
         self._r = client
+        self.exact = exact  # False: lookups trust held blocks to form a prefix past the first 16 (see above)
         self.namespace = namespace
         self.ttl_s = max(1, int(ttl_s))
         self.bulk_timeout_s = bulk_timeout_s  # snapshot and drop_worker move whole block sets
@@ -224,7 +274,7 @@ class RedisPrefixIndex(PrefixIndex):
         if not hashes:
             return {}
         mask = ALL_TIERS if tiers is None else tier_mask(tiers)
-        out = await self._call("longest", [mask, _pack(hashes)])
+        out = await self._call("longest", [mask, _pack(hashes), "1" if self.exact else "0"])
         return {out[i]: int(out[i + 1]) for i in range(1, len(out), 2)}
 
     async def close(self) -> None:

@@ -52,13 +52,20 @@ class Dispatcher:
             routed = await self._admit(gen, tried)
             w = routed.worker
             tried.add(w.worker_id)
-            w.inflight += 1  # before any await: the next admission sees this request's load
+            # Before any await, so the next routing decision sees this request: its slot, the prefill it
+            # queues there, and (in-process index) the blocks the worker is about to compute.
+            prefill = max(0, len(gen.prompt_ids) - routed.cached_tokens)
+            w.inflight += 1
+            w.pending_prefill += prefill
+            self._remember(w, routed)
             try:
                 resp = await self.pool.open_stream(w, gen)
                 chunks = iter_batches(resp)
                 first = await self._first(w, resp, chunks)
             except BackendError as e:
                 w.inflight -= 1
+                w.pending_prefill -= prefill
+                self._forget(w, routed)
                 self.gate.leave()
                 last = e
                 if e.status < 500 and e.status != 429:
@@ -66,9 +73,10 @@ class Dispatcher:
                 continue
             except BaseException:
                 w.inflight -= 1
+                w.pending_prefill -= prefill
                 self.gate.leave()
                 raise
-            self._remember(w, routed)
+            w.pending_prefill -= prefill
             return Ticket(w, resp, chunks, first, routed.reason, routed.cached_tokens)
         raise self._exhausted(last)
 
@@ -92,7 +100,7 @@ class Dispatcher:
                 if result.worker is not None:
                     span.set_attribute(tm.PULSE_WORKER, result.worker.worker_id)
                 span.set_attribute(tm.PULSE_PREFIX_MATCHED_TOKENS, result.cached_tokens)
-            self.metrics.routed(time.perf_counter() - t0)
+            self.metrics.routed(time.perf_counter() - t0, result.cpu_s)
             self.metrics.prefix_lookup(result.lookup_s, result.cached_tokens, len(gen.prompt_ids))
             chosen["result"] = result
             target = load_of(result.worker) if result.worker is not None else None
@@ -126,11 +134,30 @@ class Dispatcher:
             raise BackendError(f"worker {w.worker_id} failed before any output: {e}", 503) from None
 
     def _remember(self, w: WorkerState, routed) -> None:
-        """The chosen worker will hold this prompt's blocks: record it now, before the worker's own
-        events arrive, so the next turn of the conversation already finds them."""
+        """The chosen worker is about to compute this prompt's blocks: record them now, not when its own
+        events arrive (up to a poll interval after its prefill), so a request that shares the prefix and
+        comes meanwhile (the next turn, another session's first turn with the same system prompt) sees
+        where it is being computed; `pending_prefill_tokens` charges the wait for it. A request the worker
+        refuses before its first chunk takes back the blocks it added (`_forget`)."""
         hashes = getattr(routed, "hashes", None)
         if self.index is not None and hashes:
             asyncio.get_running_loop().create_task(self._publish(w.worker_id, hashes))
+
+    def _forget(self, w: WorkerState, routed) -> None:
+        """The worker failed before its first chunk: withdraw the provisional entries past the prefix the
+        index already had for it (those it held before stay)."""
+        hashes = getattr(routed, "hashes", None)
+        if self.index is None or not hashes:
+            return
+        known = -(-routed.cached_tokens // max(1, w.info.block_size))
+        if hashes[known:]:
+            asyncio.get_running_loop().create_task(self._withdraw(w.worker_id, hashes[known:]))
+
+    async def _withdraw(self, worker_id: str, hashes: list[int]) -> None:
+        try:
+            await self.index.evict(worker_id, hashes, "gpu")
+        except Exception as e:  # the index is a hint; routing works without it
+            log.debug("provisional withdraw failed: %s", e)
 
     async def _publish(self, worker_id: str, hashes: list[int]) -> None:
         try:

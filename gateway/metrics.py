@@ -78,6 +78,10 @@ class GatewayMetrics:
                                   ["reason"], registry=r)
         self.route_time = Histogram("pulse_router_decision_seconds", "Time to choose a worker (pure policy).",
                                     buckets=DECISION_BUCKETS, registry=r)
+        self.route_cpu = Histogram("pulse_router_decision_cpu_seconds",
+                                   "CPU time of one routing decision on the gateway's thread: hashing the prompt, "
+                                   "worker loads and the policy (no index round trip, no time preempted).",
+                                   buckets=DECISION_BUCKETS, registry=r)
         self.prefix_lookup_time = Histogram("pulse_prefix_lookup_seconds", "Prefix index lookup, one round trip.",
                                             buckets=DECISION_BUCKETS, registry=r)
         self.prefix_hit_ratio = Histogram("pulse_prefix_hit_ratio",
@@ -119,8 +123,11 @@ class GatewayMetrics:
             child = self._rejections[reason] = self.rejections.labels(reason=reason)
         child.inc()
 
-    def routed(self, seconds: float) -> None:
+    def routed(self, seconds: float, cpu_seconds: float | None = None) -> None:
+        """`seconds`: wall time of the route step (lookup included); `cpu_seconds`: the decision's own CPU."""
         self.route_time.observe(seconds)
+        if cpu_seconds is not None:
+            self.route_cpu.observe(cpu_seconds)
 
     def prefix_lookup(self, seconds: float, matched_tokens: int, prompt_tokens: int) -> None:
         """One prefix-index lookup: its time, and the share of the prompt it found cached somewhere."""
@@ -234,6 +241,8 @@ _WORKER_COUNTERS = (
     ("pulse_worker_pipeline_transfer_bytes", "Activation bytes moved between pipeline stages.",
      "pipeline_transfer_bytes"),
     ("pulse_worker_pipeline_tokens", "Tokens that crossed a pipelined engine's stages.", "pipeline_tokens"),
+    ("pulse_worker_pipeline_rebuilds", "Times a pipelined engine rebuilt its stages after losing one.",
+     "pipeline_rebuilds"),
 )
 # (metric without _total, help, snapshot field, label): lists indexed by draft position (1-based) or K.
 _WORKER_VECTORS = (
@@ -272,6 +281,8 @@ class WorkerStatsCollector:
         fams.append(GaugeMetricFamily("pulse_worker_kv_blocks_free", "KV cache blocks free.", labels=["worker"]))
         fams.append(GaugeMetricFamily("pulse_worker_healthy", "1 if the backend would serve a request now.",
                                       labels=["worker"]))
+        fams.append(GaugeMetricFamily("pulse_worker_pipeline_transport", "1 for the transport a pipelined engine's "
+                                      "stages use (shm, tcp-loopback, tcp).", labels=["worker", "transport"]))
         fams += [CounterMetricFamily(n, h, labels=["worker"]) for n, h, _ in _WORKER_COUNTERS]
         fams += [CounterMetricFamily(n, h, labels=["worker", lab]) for n, h, _, lab in _WORKER_VECTORS]
         return fams
@@ -291,6 +302,9 @@ class WorkerStatsCollector:
             healthy = _field(snap, "healthy")
             if healthy is not None:
                 by_name["pulse_worker_healthy"].add_metric([worker], 1.0 if healthy else 0.0)
+            transport = _field(snap, "pipeline_transport")
+            if transport:
+                by_name["pulse_worker_pipeline_transport"].add_metric([worker, transport], 1.0)
             for name, _, field in _WORKER_COUNTERS:
                 value = _field(snap, field)
                 if value is not None:

@@ -39,6 +39,7 @@ class WorkerState:
     info: WorkerInfo
     stats: BackendStats = field(default_factory=BackendStats)
     inflight: int = 0  # streams this gateway has open to the worker
+    pending_prefill: int = 0  # uncached prompt tokens sent there that have not produced a first chunk yet
     healthy: bool = True
     failures: int = 0  # consecutive failures (circuit breaker)
     open_until: float = 0.0  # circuit open: not routed to before this time

@@ -7,7 +7,7 @@
 Everything here is glue (no policy): hash the prompt's full blocks (cache.hashing.chain_hashes, the
 definition the engine uses; per x-session-id only the blocks new since its last prompt, SessionHashes),
 ask the index once, build a `WorkerLoad` per worker from its last stats
-and this gateway's in-flight count, remember which worker each `x-session-id` went to (bounded LRU),
+and this gateway's fresher counts (in flight there, uncached prompt tokens waiting for their prefill), remember which worker each `x-session-id` went to (bounded LRU),
 and call `choose_worker`. When the index is unavailable (Redis down or slow) routing goes on with no
 prefix hits: load and session affinity only, and `index_ok` is False (count it in a metric).
 """
@@ -38,6 +38,7 @@ class RouteResult:
     decision: RouteDecision
     hashes: list[int] | None = None  # the prompt's full-block hashes (what the chosen worker will hold)
     lookup_s: float = 0.0  # time spent hashing the prompt and asking the index
+    cpu_s: float = 0.0  # this thread's CPU time hashing, building loads and deciding (index round trip excluded)
 
 
 class PrefixRouter:
@@ -53,8 +54,9 @@ class PrefixRouter:
     async def choose(self, workers: Sequence, gen) -> RouteResult:
         """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
         t0 = time.perf_counter()
-        hits, index_ok, hashes = await self._hits(workers, gen.prompt_ids, gen.session_id)
+        hits, index_ok, hashes, cpu_s = await self._hits(workers, gen.prompt_ids, gen.session_id)
         lookup_s = time.perf_counter() - t0
+        c0 = time.thread_time()  # CPU, not wall: on a busy box the thread may lose the core mid-decision
         loads = [load_of(w) for w in workers]
         session = gen.session_id
         request = RouteRequest(
@@ -68,20 +70,25 @@ class PrefixRouter:
         chosen = next((w for w in workers if w.worker_id == decision.worker_id), None)
         if session and chosen is not None:
             self._remember(session, chosen.worker_id)
-        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes, lookup_s)
+        cpu_s += time.thread_time() - c0
+        return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes, lookup_s,
+                           cpu_s)
 
     async def _hits(self, workers: Sequence, prompt_ids: list[int],
-                    session: str | None) -> tuple[dict[str, int], bool, list[int] | None]:
+                    session: str | None) -> tuple[dict[str, int], bool, list[int] | None, float]:
+        """(prefix hits, index answered, the prompt's block hashes, CPU seconds spent hashing)."""
         if self.index is None or not workers:
-            return {}, True, None
+            return {}, True, None, 0.0
         block_size = workers[0].info.block_size  # one block size per deployment (EngineConfig.block_size)
+        c0 = time.thread_time()
         hashes = self.hashes.chain(session, prompt_ids, block_size)
+        cpu_s = time.thread_time() - c0
         if not hashes:
-            return {}, True, hashes
+            return {}, True, hashes, cpu_s
         try:
-            return await self.index.longest_prefix(hashes), True, hashes
+            return await self.index.longest_prefix(hashes), True, hashes, cpu_s
         except IndexUnavailable:
-            return {}, False, hashes
+            return {}, False, hashes, cpu_s
 
     def _remember(self, session: str, worker_id: str) -> None:
         self._sessions[session] = worker_id
@@ -91,11 +98,13 @@ class PrefixRouter:
 
 
 def load_of(w) -> WorkerLoad:
-    """A WorkerState as routing sees it: its last BackendStats plus this gateway's in-flight count."""
+    """A WorkerState as routing sees it: its last BackendStats plus what this gateway knows fresher than the
+    last stats poll: requests in flight there and the uncached prompt tokens still waiting for prefill."""
     return WorkerLoad.from_stats(
         w.worker_id,
         msgspec.structs.asdict(w.stats),
         inflight=w.inflight,
+        pending_prefill_tokens=getattr(w, "pending_prefill", 0),
         healthy=w.healthy and w.stats.healthy,
         block_size=w.info.block_size,
     )

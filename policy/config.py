@@ -92,6 +92,29 @@ class EngineConfig(PulseModel):
     micro_batches: int | None = Field(
         None, ge=1, description="Micro-batches a pipelined step is cut into; empty: one per stage."
     )
+    pipeline_overlap: bool = Field(
+        False, description="Cross-step pipelining: keep one step per micro-batch group in the stages at once "
+        "instead of draining them at every step's end (docs/PIPELINE.md: measured, off by default)."
+    )
+
+
+class LlamaCheckpointConfig(PulseModel):
+    """Slot save/restore to disk, keyed by prefix hash (workers/llama_server/README.md, "Checkpoints")."""
+
+    enabled: bool = Field(
+        False, description="Save a slot's prompt to a file before its prefix is lost and restore it for a later "
+        "request that needs it. Off by default: on a GB10 llama-server's RAM prompt cache beat disk checkpoints 4.2x."
+    )
+    dir: str | None = Field(None, description="Folder of the files (one subfolder per worker); empty: <cache>/checkpoints.")
+    max_files: int = Field(64, ge=1, description="Most checkpoint files per worker; the least recently used go first.")
+    max_gib: float = Field(8.0, gt=0, description="Most GiB of checkpoint files per worker; the least recently used go first.")
+    min_tokens: int = Field(
+        512, ge=1, description="Shortest prefix (tokens in full blocks) worth a file; shorter ones are re-prefilled."
+    )
+    save_after_request: bool = Field(
+        False, description="Also save after each request whose slot then holds min_tokens or more (covers prefixes "
+        "llama-server drops unseen: pool exhaustion, crashes); costs one save per long request."
+    )
 
 
 class LlamaServerConfig(PulseModel):
@@ -125,6 +148,9 @@ class LlamaServerConfig(PulseModel):
     log_dir: str | None = Field(None, description="Where llama-server's output is written; empty: <cache>/logs.")
     restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between restarts of a dead process.")
     stop_grace_s: float = Field(5.0, ge=0, description="Time between SIGTERM and SIGKILL when stopping the process.")
+    checkpoints: LlamaCheckpointConfig = Field(
+        default_factory=LlamaCheckpointConfig, description="Slot checkpoints on disk (off by default)."
+    )
 
 
 class WorkersConfig(PulseModel):

@@ -1,10 +1,13 @@
 """Two pipeline stages sharing one GPU against the single-stage GPU engine: identical greedy tokens on the
 real model (prompts from test_gemma3_gpu.py, one past the 512-token sliding window), micro-batched decode,
-the transfer visible in the pipeline's stats. Stages start as Ray actors where Ray is installed, else as
+the transfer visible in the pipeline's stats; cross-step pipelining and the TCP transport give the same
+tokens; a killed stage process is rebuilt and the requests that had no output yet are served. Stages start as Ray actors where Ray is installed, else as
 plain processes (the same StageActor; the GPU benchmark machine has no Ray)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 
 import pytest
 
@@ -65,6 +68,46 @@ def test_two_stages_on_one_gpu_give_the_single_stage_greedy_tokens(engines):
     for i in range(len(PROMPTS)):
         assert got[i] == want[i], f"prompt {i}"
     stats = pipe.model.stats.as_dict()
-    assert stats["stages"] == 2 and stats["transport"] == "tcp-loopback"
+    assert stats["stages"] == 2 and stats["transport"] == "shm"  # one host: arrays through shared memory
     assert stats["bytes_per_token"] > 640 * 4 and all(s > 0 for s in stats["stage_compute_s"])
     print("pipeline stats:", stats)
+
+
+def test_cross_step_pipelining_and_the_tcp_transport_keep_the_tokens(engines):
+    info, tok, single, pipe = engines
+    ids = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS]
+    want = generate(single, ids, 16)
+    pipe.groups = 2  # workers/pipeline/overlap.py
+    try:
+        assert generate(pipe, ids, 16) == want
+    finally:
+        pipe.groups = 0
+    pipe.model.rewire(pipe.pipeline_actors, shm=False)
+    try:
+        assert generate(pipe, ids, 16) == want and pipe.model.stats.transport == "tcp-loopback"
+    finally:
+        pipe.model.rewire(pipe.pipeline_actors, shm=True)
+
+
+def test_a_killed_stage_is_rebuilt_on_the_gpu(engines):
+    from workers.pipeline.runner import StageLost
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    info, tok, single, pipe = engines
+    ids = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS[:2]]
+    want = generate(single, ids, 8)
+    before = pipe.pipeline_actors.pids()
+    os.kill(before[1], signal.SIGKILL)
+    for i, p in enumerate(ids):
+        pipe.add(GenerateRequest(request_id=f"k{i}", prompt_ids=p, max_tokens=8,
+                                 sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+    out = {f"k{i}": [] for i in range(len(ids))}
+    while pipe.has_work():
+        try:
+            for o in pipe.step():
+                out[o.request_id] += o.token_ids
+        except StageLost as exc:
+            assert not pipe.pipeline_recovery.run(exc)  # nothing had streamed: every request is requeued
+    assert [out[f"k{i}"] for i in range(len(ids))] == want
+    after = pipe.pipeline_actors.pids()
+    assert after[0] == before[0] and after[1] != before[1] and pipe.model.stats.rebuilds == 1

@@ -3,6 +3,8 @@ over real sockets; greedy output identical to the single-stage engine, prefix re
 working with the scheduler and KV manager in the driver, and the EngineBackend hook (`pipeline_stages`)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -73,9 +75,50 @@ def test_greedy_output_is_the_single_stage_engines(pipelined):
     want, _ = run(make_engine(), prompts, 12, tag="g")
     assert got == want
     stats = pipelined.model.stats.as_dict()
-    assert stats["transport"] == "tcp-loopback" and stats["stages"] == 2
+    assert stats["transport"] == "shm" and stats["stages"] == 2  # same host: arrays through shared memory
     assert stats["bytes_per_token"] > 640 * 4  # at least the residual stream crossed a link
     assert all(s > 0 for s in stats["stage_compute_s"])  # both stages did work
+
+
+def test_the_tcp_transport_gives_the_same_tokens(pipelined):
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    want, _ = run(pipelined, prompts, 6, tag="s")
+    pipelined.model.rewire(pipelined.pipeline_actors, shm=False)
+    try:
+        before = pipelined.model.stats.bytes
+        got, _ = run(pipelined, prompts, 6, tag="t")
+        assert got == want and pipelined.model.stats.transport == "tcp-loopback"
+        assert pipelined.model.stats.bytes > before
+    finally:
+        pipelined.model.rewire(pipelined.pipeline_actors, shm=True)
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"pulse-pipe-{os.getpid()}-")][1:]  # old ring gone
+
+
+def test_cross_step_pipelining_keeps_greedy_output(pipelined):
+    """Two groups of sequences in the ring at once (workers/pipeline/overlap.py): same tokens as the
+    single-stage engine, also when more requests arrive than slots and when one is aborted mid-flight."""
+    prompts = [encode(p) for p in PROMPTS] * 2  # 10 requests, 8 slots: the last two wait for a slot
+    want, _ = run(make_engine(), prompts, 6, tag="o")
+    pipelined.groups = 2
+    try:
+        got, _ = run(pipelined, prompts, 6, tag="o")
+        assert got == want
+        for i, ids in enumerate(prompts[:4]):
+            pipelined.add(GenerateRequest(request_id=f"x{i}", prompt_ids=ids, max_tokens=6,
+                                          sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+        tokens = {f"x{i}": [] for i in range(4)}
+        steps = 0
+        while pipelined.has_work():
+            for out in pipelined.step():
+                tokens[out.request_id] += out.token_ids
+            steps += 1
+            if steps == 3:
+                assert pipelined.model.in_flight >= 1  # the engine keeps a step in the ring between calls
+                pipelined.abort("x1")
+        assert [tokens[f"x{i}"] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+        assert len(tokens["x1"]) < 6 and pipelined.blocks.num_used == 0
+    finally:
+        pipelined.groups = 0
 
 
 def test_prefix_reuse_and_speculation_work_across_stages(pipelined):

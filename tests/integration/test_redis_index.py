@@ -259,3 +259,72 @@ async def test_a_restart_between_calls_is_noticed(redis_server):
     finally:
         await side.aclose()
         await index.close()
+
+
+LONG = chain_hashes(list(range(16 * 700)), 16)  # 700 blocks: several bracket rounds, past one probe batch
+
+
+async def test_redis_lookup_is_exact_for_any_held_set(redis_server):
+    """The Redis lookup brackets each worker's match with sparse probes before its dense check; the answer
+    must equal the in-process index's (the first gap) for prefixes, gaps below and above the probes,
+    holes right past a probe, several tiers, and sets that are not prefixes at all."""
+    import random
+
+    rng = random.Random(7)
+    red = RedisPrefixIndex(make_client(redis_server.url, 1.0), namespace="exact:", ttl_s=60, timeout_s=1.0)
+    try:
+        for case in range(60):
+            n = rng.choice([1, 2, 15, 16, 17, 64, 255, 256, 257, 511, 700])
+            query = LONG[:n]
+            mem = MemoryPrefixIndex(ttl_s=60)
+            for w in range(4):
+                depth = rng.randint(0, n)
+                held = set(range(depth))
+                for _ in range(rng.randint(0, 3)):  # holes: at probe positions, next to them, anywhere
+                    hole = rng.choice([rng.randrange(n), 2 ** rng.randint(0, 9) - 1, 2 ** rng.randint(0, 9)])
+                    held.discard(hole)
+                held |= {rng.randrange(n) for _ in range(rng.randint(0, 5))}  # stray deeper blocks
+                tiers = ["gpu", "host"] if w % 2 else ["gpu"]
+                for i in sorted(held):
+                    tier = tiers[i % len(tiers)]
+                    await mem.publish(f"w{w}", [query[i]], tier)
+                    await red.publish(f"w{w}", [query[i]], tier)
+            want = await mem.longest_prefix(query)
+            assert await red.longest_prefix(query) == want, case
+            assert await red.longest_prefix(query, ["gpu"]) == await mem.longest_prefix(query, ["gpu"]), case
+            for w in range(4):
+                await red.drop_worker(f"w{w}")
+    finally:
+        await red.close()
+
+
+async def test_redis_probe_lookup_trusts_prefixes_past_block_16(redis_server):
+    """exact=False: the same answers as the exact lookup whenever each worker's held blocks past the 16th
+    form a prefix (what the engines keep), gaps in the first 16 blocks included; a gap deeper in, away from
+    the probes, is the documented miss: counted as held."""
+    import random
+
+    rng = random.Random(11)
+    red = RedisPrefixIndex(make_client(redis_server.url, 1.0), namespace="probe:", ttl_s=60, timeout_s=1.0,
+                           exact=False)
+    try:
+        for case in range(40):
+            n = rng.choice([1, 5, 16, 17, 40, 256, 700])
+            query = LONG[:n]
+            mem = MemoryPrefixIndex(ttl_s=60)
+            for w in range(3):
+                held = set(range(rng.randint(0, n)))
+                if rng.random() < 0.5 and held:
+                    held.discard(rng.randrange(min(16, n)))  # a gap in the first 16 blocks is still seen
+                hashes = [query[i] for i in sorted(held)]
+                await mem.publish(f"w{w}", hashes)
+                await red.publish(f"w{w}", hashes)
+            assert await red.longest_prefix(query) == await mem.longest_prefix(query), case
+            for w in range(3):
+                await red.drop_worker(f"w{w}")
+        await red.publish("g", [h for i, h in enumerate(LONG[:300]) if i != 99])  # block 100 missing
+        assert await red.longest_prefix(LONG[:300]) == {"g": 300}  # trusted: probes never looked at it
+        red.exact = True
+        assert await red.longest_prefix(LONG[:300]) == {"g": 99}
+    finally:
+        await red.close()

@@ -80,3 +80,20 @@ def test_session_hashes_match_a_fresh_hash_and_reuse_blocks():
     small.chain("b", turn1, 16)
     small.chain("a", turn2, 16)
     assert small.reused_blocks == 0  # "a" was evicted by "b"
+
+
+async def test_queued_prefill_at_the_holder_counts_against_it():
+    """A worker's pending prefill (uncached prompt tokens sent there with no first token yet, kept by the
+    dispatcher) is load the stats poll does not show yet: a prefix holder with more queued prefill than
+    the prefix saves loses the request to an idle worker; with a little queued it keeps it."""
+    index = MemoryPrefixIndex()
+    router = PrefixRouter(index, RoutingConfig())
+    a, b = worker("a"), worker("b", inflight=1)
+    await index.publish("b", chain_hashes(PROMPT[:1600], 16))
+    b.pending_prefill = 3000
+    assert load_of(b).pending_prefill_tokens == 3000
+    r = await router.choose([a, b], gen(PROMPT))
+    assert (r.worker.worker_id, r.reason) == ("a", "least_loaded")
+    b.pending_prefill = 200
+    r = await router.choose([a, b], gen(PROMPT))
+    assert (r.worker.worker_id, r.reason, r.cached_tokens) == ("b", "prefix_hit", 1600)

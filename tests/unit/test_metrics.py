@@ -140,6 +140,16 @@ def test_worker_collector_reads_snapshots_at_scrape_time():
     assert not any(("worker", "w1") in k[1] for k in s)
 
 
+def test_worker_collector_names_the_pipeline_transport():
+    snaps = {"p": BackendStats(pipeline_transport="shm", pipeline_transfer_seconds=0.5, pipeline_tokens=1000,
+                               pipeline_rebuilds=1), "q": BackendStats()}
+    s = samples(GatewayMetrics(worker_snapshots=snaps))
+    assert s[("pulse_worker_pipeline_transport", (("transport", "shm"), ("worker", "p")))] == 1
+    assert not any(k[0] == "pulse_worker_pipeline_transport" and ("worker", "q") in k[1] for k in s)
+    assert s[("pulse_worker_pipeline_rebuilds_total", (("worker", "p"),))] == 1
+    assert s[("pulse_worker_pipeline_transfer_seconds_total", (("worker", "p"),))] == 0.5
+
+
 def test_collector_with_a_plain_dict_registers_and_describes():
     from prometheus_client import CollectorRegistry
 

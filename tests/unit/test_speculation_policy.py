@@ -109,3 +109,18 @@ def test_k_is_within_bounds_and_monotone_in_the_cap(context, concurrency, worklo
 @given(st.integers(0, 200_000), st.integers(1, 63))
 def test_gb10_more_streams_never_raise_k(context, concurrency):
     assert choose_k(context, concurrency + 1, TEXT, GB10) <= choose_k(context, concurrency, TEXT, GB10)
+
+
+H200 = builtin_profiles()["h200"]
+
+
+# The H200 grid's cells (BENCHMARKS.md, code edits): the best fixed K per (context, streams); 32 streams take 7
+# (the largest verify graph is 256 tokens); 16k context with 16+ streams lost with speculation on.
+@pytest.mark.parametrize("context,streams,k", [
+    (512, 1, 8), (512, 4, 8), (512, 16, 8), (512, 32, 7),
+    (4096, 1, 8), (4096, 4, 8), (4096, 16, 8), (4096, 32, 7),
+    (16384, 1, 8), (16384, 4, 8), (16384, 16, 0), (16384, 32, 0), (4096, 64, 0),
+])
+def test_h200_profile_follows_its_grid(context, streams, k):
+    assert choose_k(context, streams, TEXT, H200) == k
+    assert choose_k(context, streams, TEXT, H200, request_cap=2) == min(k, 2)

@@ -132,7 +132,8 @@ class EngineBackend(Backend):
         return BackendStats(
             **({} if pipe is None else {
                 "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],
-                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"]}),
+                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"],
+                "pipeline_rebuilds": pipe["rebuilds"]}),
             **({} if spec is None else {
                 "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
                 "drafted_by_position": list(spec.drafted_by_position),
@@ -160,7 +161,11 @@ class EngineBackend(Backend):
                 outputs = eng.step()
             except Exception as exc:  # a failed step fails its requests, not the worker process
                 log.exception("engine step failed")
-                self._fail_all(eng, f"engine step failed: {exc}")
+                recovery = getattr(eng, "pipeline_recovery", None)  # a pipeline stage died: rebuild it
+                if recovery is not None and recovery.handles(exc):
+                    self._recover(eng, recovery, exc)
+                else:
+                    self._fail_all(eng, f"engine step failed: {exc}")
                 continue
             for out in outputs:
                 self._post(out.request_id, out)
@@ -188,6 +193,19 @@ class EngineBackend(Backend):
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _recover(self, eng: Engine, recovery, exc: Exception) -> None:
+        """workers/pipeline/recovery.py: unhealthy (new requests go elsewhere) until the stage is back."""
+        self._healthy = False
+        try:
+            failed = recovery.run(exc)
+        except Exception as again:
+            log.exception("the pipeline could not be rebuilt")
+            self._fail_all(eng, f"a pipeline stage was lost and could not be rebuilt: {again}")
+            return  # stays unhealthy: the worker needs replacing
+        for rid, err in failed.items():
+            self._post(rid, err)
+        self._healthy = True
 
     def _fail_all(self, eng: Engine, message: str) -> None:
         for rid in list(eng.seqs):

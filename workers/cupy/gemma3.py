@@ -81,7 +81,12 @@ class Gemma3:
             return xp.asarray(w[p + name + ".weight"], dtype=dtype)
 
         def matrix(*names):  # one product for several matrices (q, k, v; gate, up): fewer, larger GEMMs
-            return self.ops.pack_weight(np.concatenate([w[p + n + ".weight"] for n in names]), dtype)
+            def build():
+                return self.ops.pack_weight(np.concatenate([w[p + n + ".weight"] for n in names]), dtype)
+
+            if xp is np and hasattr(w, "derived"):  # host arrays: one shared, memory-mapped copy per box
+                return w.derived(f"{p}{'+'.join(names)}.{self.ops.weight_layout}.{dtype}", build)
+            return build()
 
         return {
             "attn_norm": get("attn_norm"), "qkv": matrix("attn_q", "attn_k", "attn_v"),

@@ -17,6 +17,8 @@ _MAX_SCORE_ELEMENTS = 1 << 24
 
 
 class Ops:
+    weight_layout = "in_out"  # what pack_weight returns; names the derived-weight cache entries
+
     def __init__(self, xp):
         self.xp = xp
 

@@ -116,19 +116,29 @@ class Speculator:
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
             outputs += engine._sample(logits[xp.asarray(np.asarray(plain_rows))], plain_seqs)
         if draft_groups:
-            outputs += self._accept(engine, logits[xp.asarray(np.asarray(draft_rows))], draft_groups)
+            outputs += self._accept(engine, logits, draft_rows, draft_groups)
         return outputs, batch.num_tokens - len(batch.sample_rows)
 
-    def _accept(self, engine, logits, groups: list[tuple[Sequence, list[int]]]):
-        """Accept/reject each group's drafts (its rows are consecutive in `logits`), then update it."""
-        ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
-        raw = logits
+    def _accept(self, engine, step_logits, rows: list[int], groups: list[tuple[Sequence, list[int]]]):
+        """Accept/reject each group's drafts (its rows of `step_logits` are consecutive in `rows`), then
+        update it."""
         constraints = engine.constraints
-        if constraints is not None:
+        masked = constraints is not None and any(s.request_id in constraints for s, _ in groups)
+        chosen = _step_argmax(engine, step_logits)
+        if chosen is not None and not masked and all(_greedy(s) and s.logprobs is None for s, _ in groups):
+            # greedy and unconstrained: the argmax the model's step already took (GPU graphs) is all it needs
+            return self._accept_groups(engine, None, None, chosen[np.asarray(rows)], groups)
+        logits = step_logits[engine.sampler.xp.asarray(np.asarray(rows))]
+        raw = logits
+        if masked:
+            ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
             if any(s.logprobs is not None and s.request_id in constraints for s, _ in groups):
                 raw = logits.copy()  # logprobs report the model's own distribution, not the masked one
             logits = constraints.apply_drafts(logits, ids, {s.request_id: d for s, d in groups})
         argmax = to_host(engine.sampler.xp.argmax(logits, axis=1))
+        return self._accept_groups(engine, logits, raw, argmax, groups)
+
+    def _accept_groups(self, engine, logits, raw, argmax: np.ndarray, groups: list[tuple[Sequence, list[int]]]):
         outputs, row = [], 0
         for seq, draft in groups:
             width = len(draft) + 1
@@ -164,6 +174,16 @@ class Speculator:
             engine.constraints.advance([seq.request_id] * len(emitted), emitted)
         engine.append_token(seq, emitted[-1])  # finishes it on a stop token or at its limit
         return engine.output_for(seq, emitted, lps)
+
+
+def _step_argmax(engine, step_logits) -> np.ndarray | None:
+    """Host argmax ids of every row of `step_logits` when the model computed them inside its step (the GPU
+    model's graphs do; `last_chosen` belongs to exactly the logits its forward returned), else None."""
+    model = engine.model
+    chosen = getattr(model, "last_chosen", None)
+    if chosen is None or step_logits is not getattr(model, "last_logits", None) or chosen.shape[0] != step_logits.shape[0]:
+        return None
+    return to_host(chosen)
 
 
 def _greedy(seq: Sequence) -> bool:

@@ -4,12 +4,19 @@ Opening a GGUFReader on the bundled model costs ~20 s on a 2-core box and dequan
 so the fp32 result is written under the model's cache folder and later starts map it back in well under a
 second. Memory-mapped, read-only arrays also let several engine processes on one box share one copy of the
 weights through the page cache.
+
+Arrays the model derives from the tensors at load (the NumPy path concatenates q/k/v and gate/up and
+transposes every layer matrix for OpenBLAS) would be private copies in each process: ~475 MB per CPU
+worker for the bundled model, so N workers on one box cost N copies. `WeightMap.derived` stores such an
+array once under `derived/` in the same cache folder and memory-maps it, so every worker shares it too.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -58,13 +65,37 @@ def _dequantize_all(gguf_path: Path, out: Path) -> None:
     tmp.replace(out / _MANIFEST)
 
 
-def load_weights(gguf_path: str | os.PathLike, cache_dir: str | None = None) -> dict[str, np.ndarray]:
+class WeightMap(dict):
+    """The tensors by GGUF name (a dict of read-only memory maps), plus a disk cache for derived arrays."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], folder: Path):
+        super().__init__(tensors)
+        self.folder = folder
+
+    def derived(self, key: str, build: Callable[[], np.ndarray]) -> np.ndarray:
+        """`build()` computed once per cache folder and memory-mapped read-only from then on (shared by
+        every process that maps it). `key` must name everything the result depends on (tensor names,
+        layout, dtype): a stored array is never checked against `build`."""
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", key):
+            raise ValueError(f"derived weight key {key!r}: letters, digits and _.+- only")
+        path = self.folder / "derived" / f"{key}.npy"
+        if not path.exists():
+            arr = np.ascontiguousarray(build())
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # workers starting together: last rename wins
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+            tmp.replace(path)
+        return np.load(path, mmap_mode="r")
+
+
+def load_weights(gguf_path: str | os.PathLike, cache_dir: str | None = None) -> WeightMap:
     """Every tensor of the file as a read-only fp32 host array, by GGUF name (e.g. 'blk.0.attn_q.weight')."""
     path = Path(gguf_path)
     out = weights_cache_dir(path, cache_dir)
     if not (out / _MANIFEST).exists():
         _dequantize_all(path, out)
     manifest = json.loads((out / _MANIFEST).read_text())["tensors"]
-    weights = {name: np.load(out / _file_name(name), mmap_mode="r") for name in manifest}
+    weights = WeightMap({name: np.load(out / _file_name(name), mmap_mode="r") for name in manifest}, out)
     log.info("loaded %d tensors from %s", len(weights), out)
     return weights

@@ -21,6 +21,8 @@ import aiohttp
 
 from workers.llama_server import api
 from workers.llama_server.binary import find_llama_server
+from workers.llama_server.checkpointer import Checkpointer
+from workers.llama_server.checkpoints import CheckpointStore
 from workers.llama_server.lane import Lane, build_lanes, choose_lane
 from workers.protocol import Backend, BackendError, BackendStats, Chunk, GenerateRequest, Usage
 from workers.protocol.model import cache_root
@@ -51,12 +53,25 @@ class LlamaServerBackend(Backend):
         self._probes: set[asyncio.Task] = set()
         self._done: deque[tuple[float, int, int]] = deque(maxlen=4096)  # (time, generated, prefilled)
         self._closed = False
+        self.checkpoints = self._checkpointer(self.cfg.checkpoints)
+
+    def _checkpointer(self, ck) -> Checkpointer | None:
+        if not ck.enabled:
+            return None
+        base = Path(ck.dir).expanduser() if ck.dir else cache_root() / "checkpoints"
+        store = CheckpointStore(base / self.worker_id, max_files=ck.max_files, max_bytes=int(ck.max_gib * 2**30),
+                                sink=self.block_sink)
+        return Checkpointer(ck, store, self.block_size, timeout_s=self.cfg.headers_timeout_s)
 
     async def start(self) -> None:
         binary = find_llama_server(self.cfg.binary)
         log_dir = Path(self.cfg.log_dir).expanduser() if self.cfg.log_dir else cache_root() / "logs"
+        checkpoint_dir = None
+        if self.checkpoints is not None:
+            self.checkpoints.store.clear_dir()
+            checkpoint_dir = self.checkpoints.store.dir
         self.lanes = build_lanes(self.cfg, self.profile, self.model.path, binary, self.block_size,
-                                 log_dir, self.worker_id, self.block_sink, self.workers_on_box)
+                                 log_dir, self.worker_id, self.block_sink, self.workers_on_box, checkpoint_dir)
         for lane in self.lanes:
             lane.on_crash = self._on_crash
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.cfg.stream_idle_timeout_s)
@@ -65,6 +80,8 @@ class LlamaServerBackend(Backend):
         # to retry safely; an idle kept-alive connection also holds one of its HTTP threads.
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False)
+        if self.checkpoints is not None:
+            self.checkpoints.session = self._session
         try:
             await asyncio.gather(*(lane.process.start() for lane in self.lanes))
         except BaseException:
@@ -84,8 +101,11 @@ class LlamaServerBackend(Backend):
                            schema=request.grammar is not None)
         await self._wait_ready(lane)
         prompt = request.prompt_ids
-        slot = lane.slots.choose(prompt)
-        epoch = lane.slots.acquire(slot, prompt) if slot is not None else -1
+        if self.checkpoints is not None and lane.checkpoints:  # may restore into the slot, or save it first
+            slot, hashes = await self.checkpoints.prepare(lane, prompt)
+        else:
+            slot, hashes = lane.slots.choose(prompt), None
+        epoch = lane.slots.acquire(slot, prompt, hashes) if slot is not None else -1
         flight = self._flights[request.request_id] = _Flight(lane)
         lane.running += 1
         generated: list[int] = []
@@ -139,6 +159,8 @@ class LlamaServerBackend(Backend):
             self._flights.pop(request.request_id, None)
             if slot is not None:
                 lane.slots.release(slot, epoch, generated, failed)
+                if self.checkpoints is not None and lane.checkpoints and not failed:
+                    self.checkpoints.after_request(lane, slot)
 
     async def _wait_ready(self, lane: Lane) -> None:
         if lane.ready:
@@ -251,6 +273,14 @@ class LlamaServerBackend(Backend):
             restarts=sum(lane.process.restarts for lane in self.lanes),
             healthy=not self._closed and any(lane.ready for lane in self.lanes))
 
+    def cached_blocks(self) -> dict[str, list[int]]:
+        """Every block this worker holds, by tier: the source of truth for the prefix index's snapshots."""
+        gpu = {h for lane in self.lanes for s in lane.slots.slots for h in s.hashes}
+        blocks = {"gpu": list(gpu)}
+        if self.checkpoints is not None:
+            blocks["checkpoint"] = self.checkpoints.store.blocks()
+        return blocks
+
     def pids(self) -> list[int]:
         return [lane.process.pid for lane in self.lanes if lane.process.pid is not None]
 
@@ -260,7 +290,11 @@ class LlamaServerBackend(Backend):
             await self.cancel(request_id)
         for task in list(self._probes):
             task.cancel()
+        if self.checkpoints is not None:
+            await self.checkpoints.close()
         await asyncio.gather(*(lane.process.stop() for lane in self.lanes), return_exceptions=True)
+        if self.checkpoints is not None:
+            self.checkpoints.store.remove_all()  # a later run could not find them again (checkpoints.py)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -20,8 +20,10 @@ log = logging.getLogger("pulse.llama_server")
 
 
 class Lane:
-    def __init__(self, name: str, argv_for, *, slots: int, block_size: int, log_path: Path, cfg, sink):
+    def __init__(self, name: str, argv_for, *, slots: int, block_size: int, log_path: Path, cfg, sink,
+                 checkpoints: bool = False):
         self.name = name
+        self.checkpoints = checkpoints  # started with --slot-save-path: its slots can be saved and restored
         self.slots = SlotTable(slots, block_size, sink)
         self.running = 0
         self.process = LlamaServerProcess(
@@ -48,8 +50,12 @@ def cpu_threads(cfg, profile: DeviceProfile, workers_on_box: int, lanes: int) ->
 
 
 def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, block_size: int,
-                log_dir: Path, worker_id: str, sink, workers_on_box: int = 1) -> list[Lane]:
-    """The plain lane, and a drafter lane when a drafter is configured (first: the default lane)."""
+                log_dir: Path, worker_id: str, sink, workers_on_box: int = 1,
+                checkpoint_dir: Path | None = None) -> list[Lane]:
+    """The plain lane, and a drafter lane when a drafter is configured (first: the default lane).
+
+    Checkpoints (`checkpoint_dir`) go to lanes without a drafter only: a saved slot holds the target
+    model's KV, not the drafter's, and restoring it under a drafter is untested."""
     supported = flags.supported_flags(binary)
     slots = cfg.slots or profile.llama_server_slots
     kv_tokens = cfg.kv_tokens or profile.kv_cache_tokens
@@ -63,12 +69,13 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
                 binary, supported, model=model_path, port=port, slots=slots, kv_tokens=kv_tokens,
                 profile_args=profile.llama_server_args, threads=threads,
                 draft_model=cfg.draft_model if draft else None, draft_max=k, spec_type=cfg.spec_type,
-                extra_args=cfg.extra_args)
+                extra_args=cfg.extra_args, slot_save_path=None if draft or not checkpoint_dir else str(checkpoint_dir))
         return argv_for
 
     def lane(name: str, draft: bool) -> Lane:
         return Lane(name, argv(draft), slots=slots, block_size=block_size,
-                    log_path=log_dir / f"llama-server-{worker_id}-{name}.log", cfg=cfg, sink=sink)
+                    log_path=log_dir / f"llama-server-{worker_id}-{name}.log", cfg=cfg, sink=sink,
+                    checkpoints=checkpoint_dir is not None and not draft)
 
     if not cfg.draft_model or k == 0:
         return [lane("plain", False)]

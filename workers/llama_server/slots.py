@@ -47,27 +47,54 @@ class SlotTable:
         """The idle slot sharing the longest prefix (at least one block) with `prompt`, else the least
         recently used idle slot (empty ones first); None when all are busy (llama-server then queues the
         request, and only its final event names the slot it used)."""
+        return self.best(prompt)[0]
+
+    def best(self, prompt: list[int]) -> tuple[int | None, int]:
+        """`choose`'s slot and how many leading tokens of `prompt` it holds (0 on a miss)."""
         idle = [s for s in self.slots if not s.busy]
         if not idle:
-            return None
+            return None, 0
         best, best_len = None, self.block_size - 1
         for s in idle:
             if (n := common_prefix(s.tokens, prompt)) > best_len:
                 best, best_len = s.index, n
-        return best if best is not None else min(idle, key=lambda s: s.last_used).index
+        return (best, best_len) if best is not None else (self.least_recent(), 0)
 
-    def acquire(self, index: int, prompt: list[int]) -> int:
-        """Slot `index` now runs `prompt`; returns the epoch to pass to `release`."""
+    def least_recent(self) -> int | None:
+        """The least recently used idle slot (empty ones first), or None when all are busy."""
+        idle = [s for s in self.slots if not s.busy]
+        return min(idle, key=lambda s: s.last_used).index if idle else None
+
+    def acquire(self, index: int, prompt: list[int], hashes: list[int] | None = None) -> int:
+        """Slot `index` now runs `prompt` (`hashes`: its chain hashes, if the caller has them); returns the
+        epoch to pass to `release`."""
         slot = self.slots[index]
         slot.busy = True
         slot.last_used = time.monotonic()
-        # Hashing costs ~0.25 ms per 1k tokens: reuse the hashes of the blocks the slot already shares.
-        bs = self.block_size
-        keep = min(common_prefix(slot.tokens, prompt) // bs, len(slot.hashes))
-        parent = slot.hashes[keep - 1] if keep else 0
-        hashes = slot.hashes[:keep] + chain_hashes(prompt[keep * bs :], bs, parent)
-        self._replace(slot, list(prompt), hashes)
+        if hashes is None:
+            # Hashing costs ~0.25 ms per 1k tokens: reuse the hashes of the blocks the slot already shares.
+            bs = self.block_size
+            keep = min(common_prefix(slot.tokens, prompt) // bs, len(slot.hashes))
+            parent = slot.hashes[keep - 1] if keep else 0
+            hashes = slot.hashes[:keep] + chain_hashes(prompt[keep * bs :], bs, parent)
+        self._replace(slot, list(prompt), list(hashes))
         return slot.epoch
+
+    def reserve(self, index: int) -> int:
+        """Mark slot `index` busy without changing what it holds (while it is saved or restored), so no
+        request is sent to it meanwhile; returns its epoch. `unreserve` ends it."""
+        slot = self.slots[index]
+        slot.busy = True
+        return slot.epoch
+
+    def unreserve(self, index: int, epoch: int) -> None:
+        slot = self.slots[index]
+        if slot.epoch == epoch:
+            slot.busy = False
+
+    def load(self, index: int, tokens: list[int], hashes: list[int]) -> None:
+        """Slot `index` now holds `tokens` (a checkpoint was restored into it); it stays busy."""
+        self._replace(self.slots[index], list(tokens), list(hashes))
 
     def release(self, index: int, epoch: int, generated: list[int], failed: bool = False) -> None:
         """The request on slot `index` ended; its KV now also holds the generated tokens (all but the

@@ -68,22 +68,30 @@ def gpu_share(n_gpu_stages: int, cluster_gpus: float) -> float:
     return 0.99 if cluster_gpus >= n_gpu_stages else round(0.99 / n_gpu_stages, 4)
 
 
-def transport_name(addresses, driver_host: str) -> str:
+def transport_name(addresses, driver_host: str, shm: bool = True) -> str:
+    """"shm" (header on a loopback socket, arrays through shared memory) when every stage is on the
+    driver's host and `shm`; else "tcp-loopback" or "tcp"."""
     hosts = {h for h, _ in addresses} | {driver_host}
-    return "tcp-loopback" if hosts <= {"127.0.0.1", "localhost"} or len(hosts) == 1 else "tcp"
+    if hosts <= {"127.0.0.1", "localhost"} or len(hosts) == 1:
+        return "shm" if shm else "tcp-loopback"
+    return "tcp"
 
 
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
-                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True,
-                            window_pool=True):
-    """An Engine whose model is a PipelinedModel over stage actors; (engine, stages)."""
-    from workers.cupy.engine import Engine
+                            cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True, overlap=False,
+                            shm=True, window_pool=True):
+    """An Engine whose model is a PipelinedModel over stage actors; (engine, stages). `overlap`: cross-step
+    pipelining (workers/pipeline/overlap.py), one group of sequences per micro-batch. `shm`: same-host hops
+    move their arrays through shared memory (workers/pipeline/shm.py). `window_pool`: the sliding-window
+    layers' own KV pool (workers/cupy/kv_cache.plan_pools)."""
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.sampler import Sampler
     from workers.cupy.scheduler import Scheduler
+    from workers.pipeline.overlap import OverlapEngine
+    from workers.pipeline.recovery import LiveBlocks, StageRecovery
     from workers.pipeline.runner import PipelinedModel
 
     cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
@@ -99,15 +107,16 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
 
         ends = GpuEnds(cfg, weights)
     n = len(addresses)
-    model = PipelinedModel(ends, addresses[0], n, transport_name(addresses, bind_host), micro_batches or n, bind_host)
     driver_host = bind_host if bind_host != "0.0.0.0" else _node_ip()
-    stages.connect(addresses[1:] + [(driver_host, model.address[1])])
-    model.connect()
+    transport = transport_name(addresses, driver_host, shm)
+    model = PipelinedModel(ends, n, transport, micro_batches or n, bind_host, driver_host)
+    model.wire(stages)
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, max_seqs=max_num_seqs if graphs else 0,
                           num_local=plan.num_local)
-    blocks = BlockManager.from_plan(plan, block_size, block_sink)
+    live = LiveBlocks(block_sink)  # what the router was told: all of it evicted if a stage is lost
+    blocks = BlockManager.from_plan(plan, block_size, live)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":
         sampler = Sampler(np)
@@ -115,10 +124,13 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
         from workers.cupy.gpu import GpuSampler
 
         sampler = GpuSampler(model)
-    engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
+    engine = OverlapEngine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length,
+                           info.vocab_size, seed)
+    engine.groups = model.micro_batches if overlap else 0
     if device != "cpu":
         sampler.engine = engine
     engine.pipeline_actors = stages  # kept alive with the engine; ended by close_pipeline
+    engine.pipeline_recovery = StageRecovery(engine, stages, live)
     return engine, stages
 
 
@@ -143,5 +155,6 @@ def build_for_backend(info, weights, engine_cfg, xp, sizes: dict, block_sink, mu
     engine, _ = create_pipelined_engine(
         info, weights, stages_plan=plan, device=device, micro_batches=engine_cfg.micro_batches,
         model_path=str(info.path), cache_dir=engine_cfg.cache_dir, block_sink=block_sink,
-        bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads, **sizes)
+        bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads,
+        overlap=engine_cfg.pipeline_overlap, **sizes)
     return engine

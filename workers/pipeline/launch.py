@@ -2,10 +2,20 @@
 resources, on any node of the cluster) or as local processes (no Ray: a box without it, such as the GPU
 benchmark machine). Both run the same StageActor; only who starts it differs. After `connect`, neither
 is on the per-token path: that is the stages' own sockets.
+
+A stage that dies comes back through `revive`: Ray restarts a dead actor itself (`max_restarts`: its
+__init__ runs again and reloads its layers), a dead process is started again here; the survivors keep
+their weights. `revive` returns once every stage is up again, with the addresses to wire the ring anew.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
+
+from workers.pipeline.shm import remove_rings
+
+STAGE_RESTARTS = 8  # per stage actor: enough for a flaky box, bounded so a stage that cannot start gives up
+REVIVE_TIMEOUT_S = 300.0  # a restarted stage reloads its layers: minutes for a large model on a slow disk
 
 
 class RayStages:
@@ -14,49 +24,107 @@ class RayStages:
 
         from workers.pipeline.stage import StageActor
 
-        self.actors = [ray.remote(StageActor).options(num_cpus=0, num_gpus=g, resources=dict(resources or {}))
+        # max_task_retries: a call that reached a stage as it died runs again on the restarted one (every
+        # method the driver calls is safe to repeat)
+        self.actors = [ray.remote(StageActor).options(num_cpus=0, num_gpus=g, resources=dict(resources or {}),
+                                                      max_restarts=STAGE_RESTARTS, max_task_retries=2)
                        .remote(**spec) for spec, g in zip(specs, gpus)]
         self.addresses = ray.get([a.address.remote() for a in self.actors])
 
-    def connect(self, nexts: list[tuple[str, int]]) -> None:
+    def pids(self) -> list[int]:
         import ray
 
-        ray.get([a.connect.remote(*nxt) for a, nxt in zip(self.actors, nexts)])
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def revive(self) -> list[int]:
+        """Wait until every stage answers (Ray restarts the dead); the indexes of the restarted ones."""
+        import ray
+
+        before = getattr(self, "_pids", None)
+        self._pids = ray.get([a.pid.remote() for a in self.actors], timeout=REVIVE_TIMEOUT_S)
+        self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=REVIVE_TIMEOUT_S)
+        restarted = [i for i, p in enumerate(self._pids) if before is not None and before[i] != p]
+        remove_rings(before[i] for i in restarted)
+        return restarted
+
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
+        import ray
+
+        ray.get([a.connect.remote(*nxt, shm) for a, nxt in zip(self.actors, nexts)], timeout=REVIVE_TIMEOUT_S)
+        if getattr(self, "_pids", None) is None:
+            self._pids = self.pids()  # what `revive` compares against to tell the restarted stages
 
     def close(self) -> None:
         import ray
 
         for a in self.actors:
-            ray.kill(a)
+            ray.kill(a)  # no_restart: a stage ended on purpose stays ended
+        remove_rings(getattr(self, "_pids", None) or [])  # a killed actor leaves its ring behind
 
 
 def _stage_main(conn, spec: dict) -> None:
     from workers.pipeline.stage import StageActor
 
     stage = StageActor(**spec)
-    conn.send(stage.address())
-    stage.connect(*conn.recv())
-    stage._thread.join()
+    conn.send((stage.address(), stage.pid()))
+    # each message is where to connect: the first wiring, then one per rebuilt ring; None ends the process
+    while (nxt := conn.recv()) is not None:
+        stage.connect(*nxt)  # (host, port, shm)
+        conn.send(True)
 
 
 class ProcessStages:
     def __init__(self, specs: list[dict]):
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or BLAS pool inherited
-        self.procs, self.conns = [], []
-        for spec in specs:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_stage_main, args=(child, spec), daemon=True)
-            p.start()
-            self.procs.append(p)
-            self.conns.append(parent)
-        self.addresses = [c.recv() for c in self.conns]
+        self.specs = specs
+        n = len(specs)
+        self.procs, self.conns, self.addresses, self._pids = [None] * n, [None] * n, [None] * n, [None] * n
+        for i in range(len(specs)):
+            self._spawn(i)
+        self._collect(range(len(specs)))
 
-    def connect(self, nexts: list[tuple[str, int]]) -> None:
+    def _spawn(self, i: int) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or BLAS pool inherited
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_stage_main, args=(child, self.specs[i]), daemon=True)
+        p.start()
+        self.procs[i], self.conns[i] = p, parent
+
+    def _collect(self, which) -> None:
+        for i in which:  # each started stage reports once it holds its weights and listens
+            self.addresses[i], self._pids[i] = self.conns[i].recv()
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+    def revive(self) -> list[int]:
+        """Start again every stage process that died; the indexes of the restarted ones."""
+        deadline = time.monotonic() + 2.0  # a killed process's sockets close a moment before it can be reaped
+        while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        remove_rings(self._pids[i] for i in dead)
+        for i in dead:
+            self.procs[i].join()
+            self.conns[i].close()
+            self._spawn(i)
+        self._collect(dead)
+        return dead
+
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
         for c, nxt in zip(self.conns, nexts):
-            c.send(nxt)
+            c.send((*nxt, shm))
+        for c in self.conns:
+            if not c.poll(REVIVE_TIMEOUT_S):
+                raise TimeoutError("a pipeline stage did not connect")
+            c.recv()
 
     def close(self) -> None:
-        for p in self.procs:
-            p.join(timeout=10)  # the "stop" message already ended their loops
+        for c, p in zip(self.conns, self.procs):
+            try:
+                c.send(None)  # the "stop" message already ended their loops; this ends the processes
+            except OSError:
+                pass
+            p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        remove_rings(self._pids)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from workers.cupy.batch import StepBatch
 from workers.pipeline import wire
-from workers.pipeline.stage import META
+from workers.pipeline.shm import ShmReader, ShmRing
 
 
 @dataclass
@@ -37,6 +38,7 @@ class PipelineStats:
     embed_s: float = 0.0  # the driver's own compute: embeddings in, head out
     head_s: float = 0.0
     stage_compute_s: list[float] = field(default_factory=list)
+    rebuilds: int = 0  # rings rebuilt after a lost stage (recovery.py)
 
     def as_dict(self) -> dict:
         t = max(self.tokens, 1)
@@ -75,41 +77,88 @@ def split_batch(batch: StepBatch, parts: int) -> list[tuple[np.ndarray, dict]]:
     return out
 
 
+class StageLost(RuntimeError):
+    """A stage's socket closed or broke mid-step: the stage (or its process) died. The driver's recovery
+    (workers/pipeline/recovery.py) brings it back; its KV, and so every cached block, is gone."""
+
+
 class PipelinedModel:
     xp = np  # step inputs are built on the host; they travel to the stages from there
 
-    def __init__(self, ends, first: tuple[str, int], n_stages: int, transport: str, micro_batches: int,
-                 bind_host: str = "127.0.0.1"):
+    def __init__(self, ends, n_stages: int, transport: str, micro_batches: int, bind_host: str = "127.0.0.1",
+                 driver_host: str | None = None):
         self.ends, self.micro_batches = ends, micro_batches
         self.stats = PipelineStats(transport=transport, stages=n_stages, micro_batches=micro_batches,
                                    stage_compute_s=[0.0] * n_stages)
         self._server = wire.listener(bind_host)
-        self._first = first
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._driver_host = driver_host or bind_host
+        self._outbox: queue.SimpleQueue | None = None
+        self._inflight: deque[tuple[int, int]] = deque()  # per launched step: (messages to read, tokens)
+        self._alloc: tuple | None = None
         self.up = self.down = None
+        self.shm = transport == "shm"
+        self._reader: ShmReader | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         return self._server.getsockname()
 
-    def connect(self) -> None:
-        """After the last stage was told to connect to `address`: open the ring."""
-        self.up = wire.connect(*self._first)
+    def wire(self, stages, shm: bool | None = None) -> None:
+        """Close the ring: each stage connects to the next, the last to the driver; the driver to the first.
+        `shm`: every hop on this host, arrays through shared memory (shm.py); None: as before."""
+        if shm is not None:
+            self.shm = shm
+            self.stats.transport = "shm" if shm else "tcp-loopback"
+        stages.connect(list(stages.addresses[1:]) + [(self._driver_host, self.address[1])], self.shm)
+        self.up = wire.connect(*stages.addresses[0])
         self.down, _ = self._server.accept()
         wire.tune(self.down)
+        self._reader = ShmReader()
         # sends run in their own thread, so a step's later micro-batches never wait behind a full socket
         # while the driver is not yet reading the first one's result
-        threading.Thread(target=self._send_loop, name="pipeline-send", daemon=True).start()
+        self._outbox = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, args=(self._outbox, self.up, ShmRing() if self.shm else None),
+                         name="pipeline-send", daemon=True).start()
 
-    def _send_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            header, arrays = item
-            t0 = time.perf_counter()
-            self.stats.bytes += wire.send(self.up, header, arrays)
-            self.stats.transfer_s += time.perf_counter() - t0
+    def rewire(self, stages, shm: bool) -> None:
+        """Wire the same stages again over another transport (the bench compares them; KV is kept)."""
+        self._disconnect()
+        self.wire(stages, shm)
+
+    def rebuild(self, stages) -> list[int]:
+        """After a StageLost: tear the ring down (every survivor's loop ends), bring the stages back (the
+        dead restarted), wire the ring again and allocate KV anew, empty. Returns the restarted stages."""
+        self._disconnect()
+        restarted = stages.revive()
+        self.wire(stages)
+        self.stats.rebuilds += 1
+        if self._alloc is not None:
+            self.kv_storage(*self._alloc)
+        return restarted
+
+    def _disconnect(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put(None)
+        for s in (self.up, self.down):
+            if s is not None:
+                s.close()
+        if self._reader is not None:
+            self._reader.close()
+        self.up = self.down = self._outbox = self._reader = None
+        self._inflight.clear()
+
+    def _send_loop(self, outbox: queue.SimpleQueue, sock, ring: ShmRing | None) -> None:
+        try:
+            while (item := outbox.get()) is not None:
+                header, arrays = item
+                t0 = time.perf_counter()
+                self.stats.bytes += wire.send(sock, header, arrays, ring)
+                self.stats.transfer_s += time.perf_counter() - t0
+        except OSError:  # the first stage is gone; the receive side sees the loss and raises StageLost
+            pass
+        finally:
+            if ring is not None:  # the ring is this thread's: closed only once nothing writes to it
+                ring.close()
 
     # --- the engine's model interface --------------------------------------------------------------
     @property
@@ -124,30 +173,73 @@ class PipelinedModel:
                    num_local: int | None = None) -> PipelineKV:
         """Each stage allocates K/V for its layers (`num_local`: its sliding-window layers' own pool, as in
         kv_cache.plan_pools); `max_seqs` sizes the GPU stages' decode graphs."""
+        self._alloc = (num_blocks, block_size, dtype, max_seqs, num_local)
         self._outbox.put(({"kind": "alloc", "num_blocks": num_blocks, "block_size": block_size,
                            "max_seqs": max_seqs, "num_local": num_local}, {}))
         self._receive()
+        self._reader.release()
         return PipelineKV(num_blocks, block_size)
 
     def forward(self, batch: StepBatch, kv: PipelineKV):
-        parts = split_batch(batch, self.micro_batches)
-        for mb, (tokens, arrays) in enumerate(parts):
+        self.launch(batch, kv)
+        return self.collect()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def launch(self, batch: StepBatch, kv: PipelineKV, parts: int | None = None) -> None:
+        """Send a step into the ring (cut into `parts` micro-batches, default `micro_batches`) and return at
+        once; `collect` returns the logits of the steps launched, in launch order."""
+        cut = split_batch(batch, parts or self.micro_batches)
+        for mb, (tokens, arrays) in enumerate(cut):
             t0 = time.perf_counter()
             x = self.ends.embed_tokens(tokens)
             self.stats.embed_s += time.perf_counter() - t0
             self._outbox.put(({"kind": "run", "mb": mb, "block_size": kv.block_size}, {**arrays, "x": x}))
-        rows = [self._receive()["x"] for _ in parts]
-        self.stats.steps += 1
-        self.stats.tokens += batch.num_tokens
-        t0 = time.perf_counter()
-        logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
-        if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
-            self.ends.synchronize()
-        self.stats.head_s += time.perf_counter() - t0
+        self._inflight.append((len(cut), batch.num_tokens))
+
+    def collect(self):
+        """The logits of the oldest launched step (all its micro-batches read even when one failed, so the
+        ring stays in step with the driver)."""
+        n, tokens = self._inflight.popleft()
+        rows, error = [], None
+        for _ in range(n):
+            try:
+                rows.append(self._receive()["x"])
+            except StageLost:
+                raise
+            except RuntimeError as exc:
+                error = error or exc
+        try:
+            if error is not None:
+                raise error
+            self.stats.steps += 1
+            self.stats.tokens += tokens
+            t0 = time.perf_counter()
+            logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+            if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
+                self.ends.synchronize()
+            self.stats.head_s += time.perf_counter() - t0
+        finally:
+            self._reader.release()  # the rows were read in place from the last stage's ring
         return logits
 
+    def drain(self) -> None:
+        """Read and drop every launched step's result (after a failure, before the engine goes on)."""
+        while self._inflight:
+            try:
+                self.collect()
+            except StageLost:
+                raise
+            except RuntimeError:
+                pass
+
     def _receive(self) -> dict:
-        header, arrays, n, recv_s = wire.recv(self.down)
+        try:
+            header, arrays, n, recv_s = wire.recv(self.down, self._reader)
+        except OSError as exc:  # ConnectionError included: a stage (or its process) is gone
+            raise StageLost(f"a pipeline stage was lost: {exc}") from exc
         self.stats.bytes += n
         if header["kind"] == "error":
             raise RuntimeError(header["message"])
@@ -157,12 +249,11 @@ class PipelinedModel:
         return arrays
 
     def close(self) -> None:
-        self._outbox.put(({"kind": "stop"}, {}))
-        try:
-            wire.recv(self.down)
-        except (ConnectionError, OSError):
-            pass
-        self._outbox.put(None)
-        for s in (self.up, self.down, self._server):
-            if s is not None:
-                s.close()
+        if self._outbox is not None:
+            self._outbox.put(({"kind": "stop"}, {}))
+            try:
+                wire.recv(self.down)
+            except OSError:
+                pass
+        self._disconnect()
+        self._server.close()

@@ -7,14 +7,19 @@ actor's own thread serves the socket and Ray is out of the per-token path. Messa
 - "run": one micro-batch (positions, KV slots, attention metadata, the residual stream); the output goes
   on with the same metadata, or, from the last stage, only the rows whose logits the driver wants.
 - "stop": forwarded, then the loop ends. A failure becomes an "error" message the driver raises.
+A closed or broken socket on either side (a neighbour died, or the driver tore the ring down to rebuild
+it) ends the loop and closes this stage's outgoing socket, so the loss travels round the ring to the
+driver; the driver then calls `connect` again (workers/pipeline/recovery.py) and the stage serves anew.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 from workers.pipeline import wire
+from workers.pipeline.shm import ShmReader, ShmRing
 
 log = logging.getLogger(__name__)
 META = ("positions", "slot_mapping", "logits_indices", "query_start", "seq_lens", "block_tables",
@@ -56,14 +61,25 @@ class StageActor:
         self.server = wire.listener(bind_host)
         self.host = bind_host if bind_host != "0.0.0.0" else _node_ip()
         self._thread: threading.Thread | None = None
+        self.down = self.ring = None
         self._send_s = 0.0
 
     def address(self) -> tuple[str, int]:
         return self.host, self.server.getsockname()[1]
 
-    def connect(self, host: str, port: int) -> bool:
-        """Connect to the next hop and start serving the previous one (which connects to `address()`)."""
+    def pid(self) -> int:
+        return os.getpid()
+
+    def connect(self, host: str, port: int, shm: bool = False) -> bool:
+        """Connect to the next hop and start serving the previous one (which connects to `address()`).
+        Called again after a ring was torn down: the old loop has ended (its sockets closed) or ends soon.
+        `shm`: the next hop shares this host; the arrays go through a shared-memory ring (shm.py)."""
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                raise RuntimeError(f"stage {self.lo}-{self.hi} is still serving the old ring")
         self.down = wire.connect(host, port)
+        self.ring = ShmRing() if shm else None
         self._thread = threading.Thread(target=self._serve, name=f"stage-{self.lo}-{self.hi}", daemon=True)
         self._thread.start()
         return True
@@ -71,11 +87,21 @@ class StageActor:
     def _serve(self) -> None:
         up, _ = self.server.accept()
         wire.tune(up)
+        reader = ShmReader()
+        try:
+            self._loop(up, reader)
+        except OSError as exc:  # a neighbour went away (ConnectionError is an OSError): pass the loss on
+            log.warning("stage %d-%d: ring closed (%s)", self.lo, self.hi, exc)
+        finally:
+            up.close()
+            self.down.close()
+            reader.close()
+            if self.ring is not None:
+                self.ring.close()
+
+    def _loop(self, up, reader: ShmReader) -> None:
         while True:
-            try:
-                header, arrays, _, recv_s = wire.recv(up)
-            except ConnectionError:
-                return
+            header, arrays, _, recv_s = wire.recv(up, reader)
             t0 = time.perf_counter()
             kind = header["kind"]
             try:
@@ -91,7 +117,9 @@ class StageActor:
             if kind == "run" or header["kind"] == "error":
                 header.setdefault("compute_s", []).append(time.perf_counter() - t0)
             t1 = time.perf_counter()
-            wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays)
+            wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays,
+                      self.ring)
+            reader.release()  # the input (read in place from a shared-memory ring) is done with
             # this hop's send time rides on the next message (the one just sent cannot carry its own)
             self._send_s = time.perf_counter() - t1
             if kind == "stop":

@@ -94,6 +94,7 @@ class BackendStats(msgspec.Struct):
     pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops
     pipeline_transfer_bytes: int = 0  # cumulative
     pipeline_tokens: int = 0  # tokens that crossed the pipeline (per-token cost = seconds / tokens)
+    pipeline_rebuilds: int = 0  # times the pipeline rebuilt its stages after losing one (workers/pipeline)
 
 
 class BlockEvent(msgspec.Struct):

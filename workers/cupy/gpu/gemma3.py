@@ -3,7 +3,8 @@
 Per layer, 4 GEMMs (q/k/v as one, o, gate/up as one, down) and 5 fused kernels (sandwich norms with the
 residual add, QK-norm + RoPE + KV write, paged attention, gelu * up). Weights, activations and the KV cache
 are fp16 (or bf16); the residual stream and every GEMM output stay fp32, so Gemma's large residual values
-never pass through a 16-bit type. Decode steps replay CUDA graphs (graphs.py); other steps run eagerly.
+never pass through a 16-bit type. Decode steps replay CUDA graphs (graphs.py), and so do speculative verify
+steps (verify.py); other steps (prefill chunks) run eagerly.
 
 The object has the interface the engine expects of a model (`xp`, `forward(batch, kv)`, `kv_storage`), so
 `create_engine` can use it in place of the NumPy/CuPy-ops model when the device is a GPU.
@@ -105,7 +106,7 @@ class GpuGemma3:
     xp = np
 
     def __init__(self, cfg: Gemma3Config, weights: dict, act: str = "float16", graph_sizes=(1, 2, 4, 8, 16, 32, 64),
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, verify_sizes=(4, 8, 16, 32, 64, 128, 256)):
         if cfg.n_kv_heads != 1:
             raise ValueError("the GPU kernels are written for one KV head (Gemma 3 270M/1B)")
         self.cfg, self.act = cfg, act
@@ -118,6 +119,9 @@ class GpuGemma3:
         self.layers = [self._layer_weights(weights, i) for i in range(cfg.n_layers)]
         self.graph_sizes = tuple(sorted(graph_sizes))
         self._graphs = None  # graphs.DecodeGraphs, built on the first decode step for a KV storage
+        # speculative verify steps (verify.py) of up to the largest size in tokens; () keeps them eager
+        self.verify_sizes = tuple(sorted(verify_sizes))
+        self._verify = None
 
     @staticmethod
     def _rope_tables(cfg: Gemma3Config, n_pos: int) -> dict:
@@ -161,17 +165,22 @@ class GpuGemma3:
 
     # --- the step ------------------------------------------------------------------------------------
     def run(self, ws: Workspace, tok, pos, slots, tok_row, block_tables, logit_rows, kv: KVStorage,
-            block_size: int, decode: bool = False) -> None:
+            block_size: int, decode: bool = False, small: bool | None = None) -> None:
         """One forward pass into ws.logits / ws.chosen (greedy ids). Launches only: capturable as a graph.
 
         decode=True promises one query token per sequence (tok_row[t] == t): attention then does QK-norm,
-        RoPE and the KV write itself, and up to GEMV_MAX_M tokens take the fused small-batch products."""
-        if decode and tok.shape[0] <= GEMV_MAX_M:
-            self._layers_small(ws, tok, pos, slots, tok_row, block_tables, kv, block_size)
+        RoPE and the KV write itself. small (default: decode steps of up to GEMV_MAX_M tokens) takes the fused
+        small-batch products; a speculative verify step (several query tokens of one sequence) may take them
+        too, with the KV write as its own kernel before attention (its tokens read each other's keys)."""
+        if small is None:
+            small = decode
+        small = small and tok.shape[0] <= GEMV_MAX_M
+        if small:
+            self._layers_small(ws, tok, pos, slots, tok_row, block_tables, kv, block_size, fused=decode)
         else:
             self._layers_blas(ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode)
         last = self.layers[-1]
-        resid = ws.resid2 if decode and tok.shape[0] <= GEMV_MAX_M else ws.resid
+        resid = ws.resid2 if small else ws.resid
         self.kernels.add_norm(resid, ws.down, last["post_ffn_norm"], self.out_norm, self.cfg.eps, ws.x_out,
                               rows=logit_rows)
         self.blas.linear(ws.x_out, self.embed, ws.logits)
@@ -190,7 +199,9 @@ class GpuGemma3:
         if not fused:
             self.kernels.qkv_post(ws.qkv, lw["q_norm"], lw["k_norm"], pos, slots, rcos, rsin, c.eps,
                                   c.n_heads, c.n_kv_heads, ws.q, kv.k[i], kv.v[i])
-        n_split = attention_splits(pos.shape[0]) if fused else 1
+        # keys split across blocks when a step has few tokens (decode, verify), each reading a whole context:
+        # one block per token over 16k keys left the GPU idle (verify steps at 16k context ran at half speed)
+        n_split = attention_splits(pos.shape[0])
         self.kernels.attention(ws.q, kv.k[i], kv.v[i], block_tables, tok_row, pos, block_size, lw["window"],
                                c.query_scale, c.n_kv_heads, ws.attn, fused=fuse, pdl=pdl, n_split=n_split,
                                part=ws.att_part, counter=ws.att_count)
@@ -210,16 +221,16 @@ class GpuGemma3:
             if i + 1 < len(self.layers):
                 k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], self.layers[i + 1]["attn_norm"], eps, ws.x)
 
-    def _layers_small(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size):
+    def _layers_small(self, ws, tok, pos, slots, tok_row, block_tables, kv, block_size, fused: bool = True):
         """Decode of <= GEMV_MAX_M tokens: 4 launches a layer (attention, o, the whole MLP, the next q/k/v), every
-        norm and the gelu fused into a product.
+        norm and the gelu fused into a product (5 with fused=False: QK-norm/RoPE/KV write before attention).
         The residual ends each layer in resid2 (ra -> rb within a layer, rb -> ra across layers)."""
         c, k, eps, L = self.cfg, self.kernels, self.cfg.eps, self.layers
         ra, rb = ws.resid, ws.resid2
         k.gemv(GEMV_EMBED, L[0]["qkv"], ws.qkv, tok=tok, emb=self.embed, emb_scale=math.sqrt(c.hidden),
                w_norm=L[0]["attn_norm"], resid_out=ra, eps=eps, pdl=True)
         for i, lw in enumerate(L):
-            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, True, pdl=True)
+            self._attention(i, lw, ws, pos, slots, tok_row, block_tables, kv, block_size, fused, pdl=True)
             k.gemv(GEMV_PLAIN, lw["o"], ws.o, x_act=ws.attn, zero=ws.down, pdl=True)  # mlp_fused adds into down
             k.mlp_fused(lw["gate_up"], lw["down"], ws.o, ra, rb, lw["post_attn_norm"], lw["ffn_norm"], eps, ws.down,
                         pdl=True)
@@ -235,6 +246,8 @@ class GpuGemma3:
         if (self.graph_sizes and n_query.size and np.all(n_query == 1) and n_rows == n_query.size
                 and n_query.size <= self.graph_sizes[-1]):
             logits = self._decode_graphs(kv, meta.block_size).run(batch)
+        elif self.verify_sizes and n_rows == batch.num_tokens and self._verify_graphs(kv, meta.block_size).fits(batch):
+            logits = self._verify.run(batch)  # speculative verify step: every token wants logits
         else:
             logits = self.forward_eager(batch, kv)
         self.last_logits = logits  # GpuSampler trusts last_chosen only for exactly these logits
@@ -250,6 +263,14 @@ class GpuGemma3:
                  slots, tok_row, tables, cp.asarray(batch.logits_indices, cp.int64), kv, meta.block_size)
         self.last_chosen = ws.chosen
         return ws.logits
+
+    def _verify_graphs(self, kv: KVStorage, block_size: int):
+        from workers.cupy.gpu.verify import VerifyGraphs
+
+        if self._verify is None or self._verify.kv is not kv:
+            self._verify = VerifyGraphs(self, kv, block_size, self.verify_sizes, max(self.graph_sizes or (1,)),
+                                        -(-self.max_model_len // block_size))
+        return self._verify
 
     def _decode_graphs(self, kv: KVStorage, block_size: int):
         from workers.cupy.gpu.graphs import DecodeGraphs

@@ -99,7 +99,7 @@ class Kernels:
                   counter=None):
         """fused: None, or (qkv, q_norm_w, k_norm_w, slots, rope_cos, rope_sin, eps) for a pure decode step, where
         the kernel does QK-norm, RoPE and the KV write itself (qkv_post is then not launched; q is unused).
-        n_split > 1 (fused decode only): keys split over that many blocks per token, merged by the last one;
+        n_split > 1: keys split over that many blocks per token, merged by the last one;
         part (T, >= n_split, GROUP*HEAD_DIM + 2*GROUP) fp32 scratch and counter (T,) uint32, zero."""
         assert block_size >= 8, "the attention kernel stages a chunk's block-table entries for blocks >= 8 tokens"
         t = out.shape[0]
@@ -109,7 +109,7 @@ class Kernels:
             qkv, qn, kn, slots, rcos, rsin, eps = fused
             assert n_kv == 1
             extra = (qkv, qn, kn, slots, rcos, rsin, np.float32(eps))
-        assert n_split == 1 or (fused is not None and part is not None and counter is not None)
+        assert n_split == 1 or (part is not None and counter is not None)
         split = (np.int32(n_split), part if n_split > 1 else _NULL, counter if n_split > 1 else _NULL)
         self._launch("attention", (t, n_kv, n_split), (256,), (
             q if q is not None else _NULL, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), tok_row,

@@ -1,0 +1,104 @@
+"""The dispatcher's fresh load signals, against real worker channels (StreamServer + the load-test backend):
+
+- from the moment a request is routed until its first chunk, its uncached prompt tokens count as the
+  chosen worker's pending prefill (what the routing cost charges for the wait) and, with the in-process
+  index, its blocks are listed at that worker, so a request sharing the prefix that arrives meanwhile sees
+  where it is being computed (not only after the worker's next /blocks poll);
+- when the worker refuses before any output, the provisional entries past what the index already knew
+  are withdrawn and the pending prefill is given back.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from cache.hashing import chain_hashes
+from cache.memory_index import MemoryPrefixIndex
+from gateway.admission_gate import AdmissionGate
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
+from gateway.router import PrefixRouter, load_of
+from policy.config import PulseConfig
+from workers.loadtest import LoadTestBackend
+from workers.protocol import GenerateRequest, WorkerInfo
+from workers.stream import StreamServer
+
+PROMPT = list(range(1000, 1000 + 640))  # 40 blocks of 16
+
+
+def _config(tokens_per_s: float, slots: int = 64) -> PulseConfig:
+    return PulseConfig.model_validate({"workers": {"backend": "loadtest",
+                                                   "loadtest": {"tokens": 4, "tokens_per_s": tokens_per_s,
+                                                                "slots": slots}}})
+
+
+async def _setup(config: PulseConfig, n: int = 2):
+    servers, infos = [], []
+    for i in range(n):
+        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}")
+        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16))
+        servers.append(srv)
+
+    async def discover(worker_id):
+        return [i for i in infos if worker_id in (None, i.worker_id)]
+
+    pool = WorkerPool(discover, poll_interval_s=30)
+    await pool.start()
+    index = MemoryPrefixIndex()
+    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission),
+                            GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768,
+                            index=index)
+    return servers, pool, index, dispatcher
+
+
+async def _teardown(servers, pool):
+    await pool.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_its_first_chunk():
+    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=2.0))  # first chunk after ~0.5 s
+    try:
+        gen = GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4)
+        opening = asyncio.create_task(dispatcher.open(gen))
+        await asyncio.sleep(0.15)
+        assert not opening.done()
+        (w,) = [w for w in pool.workers.values() if w.inflight]
+        assert w.pending_prefill == len(PROMPT)
+        assert load_of(w).pending_prefill_tokens == len(PROMPT)
+        assert await index.longest_prefix(chain_hashes(PROMPT, 16)) == {w.worker_id: 40}
+        ticket = await opening
+        assert w.pending_prefill == 0 and w.inflight == 1  # prefill done; the stream is still open
+        # the decision's own CPU time is recorded beside its wall time, and is no larger
+        reg = dispatcher.metrics.registry
+        assert reg.get_sample_value("pulse_router_decision_cpu_seconds_count") == 1
+        cpu = reg.get_sample_value("pulse_router_decision_cpu_seconds_sum")
+        assert 0 < cpu <= reg.get_sample_value("pulse_router_decision_seconds_sum")
+        dispatcher.close(ticket)
+        assert w.inflight == 0
+    finally:
+        await _teardown(servers, pool)
+
+
+async def test_a_refusal_before_output_withdraws_the_provisional_blocks():
+    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=4.0, slots=1), n=1)
+    (w,) = pool.workers.values()
+    try:
+        await index.publish(w.worker_id, chain_hashes(PROMPT, 16)[:10])  # the worker really holds 10 blocks
+        busy = await dispatcher.open(GenerateRequest(request_id="busy", prompt_ids=list(range(5, 40)), max_tokens=4))
+        # its one slot is taken: it refuses (429) before any output, and no other worker is left to try
+        with pytest.raises(APIError) as err:
+            await dispatcher.open(GenerateRequest(request_id="b", prompt_ids=PROMPT, max_tokens=4))
+        assert err.value.status in (429, 503)
+        await asyncio.sleep(0)  # the withdraw task
+        assert await index.longest_prefix(chain_hashes(PROMPT, 16)) == {w.worker_id: 10}
+        assert w.pending_prefill == 0 and w.inflight == 1
+        dispatcher.close(busy)
+    finally:
+        await _teardown(servers, pool)
