@@ -8,8 +8,8 @@ all, against two through the kernel's socket buffers). Used when every stage sha
 (build.py: transport "shm"); across hosts the payload stays on the socket.
 
 The ring is a file in /dev/shm the sender creates (and removes when its hop closes): 8 bytes written by the
-receiver (how far it has handed back) and then the data, each message contiguous. A small message (a
-decode step at small batch: under MIN_BYTES) goes on the socket whole, and so does one that does not fit
+receiver (how far it has handed back) and then the data, each message contiguous. A small message (under
+MIN_BYTES: a decode step) goes on the socket whole, and so does one that does not fit
 in the free space (the receiver is behind, or a prefill chunk is larger than the ring): a sender never
 waits for the ring.
 """
@@ -28,9 +28,10 @@ _PREFIX = "/dev/shm/pulse-pipe-"
 # every page mapped up front, in both processes: a page fault per 4 KiB on first touch cost more than the copy
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 RING_BYTES = 32 << 20  # holds a few prefill chunks of a large model's residual stream
-# below this a message goes on the socket whole: the ring's bookkeeping (the offsets, the path in the header)
-# cost more than it saves on a few KB (bench/pipeline.py --wire: 1 token, 2.5 KB, was slower through the ring)
-MIN_BYTES = 16 << 10
+# below this a message goes on the socket whole. bench/pipeline.py --wire on the 2-core box: 1 token (2.5 KB)
+# was slower through the ring, 8-32 tokens (20-80 KB) no faster, 512 tokens (1.3 MB) 3x faster; end to end,
+# decode steps (33-130 KB at batch 8-32) were no faster through the ring. So: prefill chunks take the ring.
+MIN_BYTES = 256 << 10
 
 
 class ShmRing:
