@@ -179,6 +179,8 @@ class GpuGemma3:
             self._layers_small(ws, tok, pos, slots, tok_row, block_tables, kv, block_size, fused=decode)
         else:
             self._layers_blas(ws, tok, pos, slots, tok_row, block_tables, kv, block_size, decode)
+        if logit_rows.shape[0] == 0:  # a prefill chunk short of its prompt's end: no logits (a 0-block launch fails)
+            return
         last = self.layers[-1]
         resid = ws.resid2 if small else ws.resid
         self.kernels.add_norm(resid, ws.down, last["post_ffn_norm"], self.out_norm, self.cfg.eps, ws.x_out,
