@@ -9,6 +9,8 @@ their weights. `revive` returns once every stage is up again, with the addresses
 """
 from __future__ import annotations
 
+import os
+
 import multiprocessing as mp
 import time
 
@@ -63,6 +65,11 @@ class RayStages:
 
 
 def _stage_main(conn, spec: dict) -> None:
+    import os
+
+    gpu = spec.pop("visible_gpu", None)
+    if gpu is not None:  # before CuPy loads in this fresh interpreter: the stage sees only its own GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from workers.pipeline.stage import StageActor
 
     stage = StageActor(**spec)
@@ -75,7 +82,11 @@ def _stage_main(conn, spec: dict) -> None:
 
 class ProcessStages:
     def __init__(self, specs: list[dict]):
-        self.specs = specs
+        # PULSE_STAGE_GPUS="0,1": stage i runs on GPU i of the list (plain processes have no Ray to place
+        # them); unset, every stage uses the process's default GPU
+        gpus = [g for g in os.environ.get("PULSE_STAGE_GPUS", "").split(",") if g.strip()]
+        self.specs = [dict(s, visible_gpu=gpus[i % len(gpus)].strip()) if gpus and s["device"] != "cpu" else s
+                      for i, s in enumerate(specs)]
         n = len(specs)
         self.procs, self.conns, self.addresses, self._pids = [None] * n, [None] * n, [None] * n, [None] * n
         for i in range(len(specs)):
