@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
-from bench.machine import describe, machine_info
+from bench.machine import machine_info
 from bench.procs import Proc, cpu_ticks, free_port, python_module, stop_all
 from pulse import doctor
 
@@ -153,14 +153,8 @@ def report(args, records, targets, machine, started) -> dict:
     order = [config_name(t, c) for c in args.clients for t in targets]
     summary = {cfg: measured[cfg] for cfg in order if cfg in measured}
     params = vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)}
-    doc = protocol.result_document("gateway_overhead", records, summary, params, started, machine)
-    doc["verdict"] = verdict(summary, args.clients)
-    table = protocol.markdown_table(summary, TABLE_METRICS)
-    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
-    print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n")
-    print("\n".join(doc["verdict"]))
-    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
-    return doc
+    return protocol.publish("gateway_overhead", records, summary, params, started, machine, verdict(summary, args.clients),
+                            TABLE_METRICS, PLOT_METRICS, args.out)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ import msgspec
 from bench import loops, protocol
 from bench.gateway_overhead import _load_with_cpu, config_name, derive, first_model
 from bench.loadgen import LoadSpec
-from bench.machine import REPO, describe, machine_info
+from bench.machine import REPO, machine_info
 from bench.procs import Proc, descendants, free_port, python_module, stop_all
 from pulse import doctor
 
@@ -152,14 +152,8 @@ def summarize(records: list[dict], clients: Sequence[int]) -> dict:
 
 def report(args, records, params, machine, started) -> dict:
     summary = summarize(records, args.clients)
-    doc = protocol.result_document("llama_server_overhead", records, summary, params, started, machine)
-    doc["verdict"] = verdict(summary, args.clients)
-    table = protocol.markdown_table(summary, TABLE_METRICS)
-    paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
-    print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n")
-    print("\n".join(doc["verdict"]))
-    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
-    return doc
+    return protocol.publish("llama_server_overhead", records, summary, params, started, machine, verdict(summary, args.clients),
+                            TABLE_METRICS, PLOT_METRICS, args.out)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

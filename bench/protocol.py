@@ -232,3 +232,16 @@ def write_result(doc: Mapping[str, Any], table: str, metrics: Sequence[str], out
                            + (f"\n{notes}\n" if notes else ""))
     plot(doc["summary"], metrics, paths["png"], title=doc["benchmark"])
     return paths
+
+
+def publish(name: str, records, summary: dict, params: dict, started: float, machine: dict, verdict: list[str],
+            table_metrics: Sequence[str], plot_metrics: Sequence[str], out_dir: Path) -> dict:
+    """A run's result document with its verdict lines, written (write_result) and printed; returns it."""
+    doc = result_document(name, records, summary, params, started, machine)
+    doc["verdict"] = verdict
+    table = markdown_table(summary, table_metrics)
+    paths = write_result(doc, table, plot_metrics, out_dir, notes="\n".join(verdict))
+    print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n")
+    print("\n".join(verdict))
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    return doc

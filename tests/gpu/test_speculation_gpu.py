@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.gpu.test_gemma3_gpu import PROMPTS, random_weights, real, rel, step  # noqa: F401 (fixture)
+from tests.integration.test_speculation import EDIT, SOURCE  # the same code edit as the CPU tests
 from workers.cupy.batch import build_batch
 from workers.cupy.gemma3 import Gemma3, Gemma3Config
 from workers.cupy.kv_cache import BlockManager
@@ -99,21 +100,6 @@ def _generate(eng, prompts, max_tokens, extra=None):
             if o.finish_reason:
                 finals[o.request_id] = o
     return [toks[str(i)] for i in range(len(prompts))], [finals[str(i)] for i in range(len(prompts))]
-
-
-SOURCE = '''def area(width, height):
-    return width * height
-
-
-def perimeter(width, height):
-    return 2 * (width + height)
-
-
-def describe(width, height):
-    return f"{width}x{height}: area {area(width, height)}"
-'''
-EDIT = ("<start_of_turn>user\nRename the parameter `width` to `w` everywhere in this file and output the whole "
-        f"file:\n```python\n{SOURCE}```<end_of_turn>\n<start_of_turn>model\n```python\n")
 
 
 def test_real_model_speculation_is_lossless_on_gpu(real):  # noqa: F811

@@ -110,11 +110,15 @@ class Engine:
             outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
             prefilled = batch.num_tokens - len(outputs)
         self.blocks.flush_events()
+        self._record(outputs, prefilled)
+        return outputs
+
+    def _record(self, outputs: list[StepOutput], prefilled: int) -> None:
+        """A finished step's generated and prefilled tokens, for rates()."""
         now = time.monotonic()
         self._recent.append((now, sum(len(o.token_ids) for o in outputs), prefilled))
         while now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
-        return outputs
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[StepOutput]:
         rows = [SampleRow(s.sampling, uniform_for(s.sampling.seed, s.num_output, self.rng), s.logprobs)

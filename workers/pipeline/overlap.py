@@ -16,11 +16,10 @@ plainly. Off by default (`workers.engine.pipeline_overlap`): docs/PIPELINE.md ha
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 from workers.cupy.batch import build_batch
-from workers.cupy.engine import RATE_WINDOW_S, Engine, StepOutput
+from workers.cupy.engine import Engine, StepOutput
 from workers.cupy.sequence import Sequence, SeqStatus
 from workers.pipeline.runner import StageLost
 
@@ -53,10 +52,7 @@ class OverlapEngine(Engine):
             self._abandon(exc)
             raise
         self.blocks.flush_events()
-        now = time.monotonic()
-        self._recent.append((now, sum(len(o.token_ids) for o in outputs), prefilled))
-        while now - self._recent[0][0] > RATE_WINDOW_S:
-            self._recent.popleft()
+        self._record(outputs, prefilled)
         return outputs
 
     def _fill(self) -> None:

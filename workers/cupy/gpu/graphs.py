@@ -20,6 +20,21 @@ import numpy as np
 from workers.cupy.gpu.gemma3 import Workspace
 
 
+def capture(stream, step):
+    """`step()` (launches only) as a CUDA graph on `stream`: run once eagerly first (module loads, cuBLAS
+    heuristics), so nothing is loaded or allocated during the capture."""
+    with stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            step()
+        finally:
+            graph = stream.end_capture()
+    stream.synchronize()
+    return graph
+
+
 class DecodeGraphs:
     def __init__(self, model, kv, block_size: int, sizes, max_blocks: int):
         self.model, self.kv, self.block_size = model, kv, block_size
@@ -82,16 +97,7 @@ class DecodeGraphs:
 
     def _capture(self, g: int):
         self.inp[:g] = -1  # every row padding while capturing and warming up: only the scratch slot is written
-        with self.stream:
-            self._step(g)  # once eagerly: module loads, cuBLAS heuristics, nothing allocated during capture
-            self.stream.synchronize()
-            self.stream.begin_capture()
-            try:
-                self._step(g)
-            finally:
-                graph = self.stream.end_capture()
-        self.stream.synchronize()
-        return graph
+        return capture(self.stream, lambda: self._step(g))
 
     def size_for(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)

@@ -23,6 +23,7 @@ import cupy as cp
 import numpy as np
 
 from workers.cupy.gpu.gemma3 import Workspace
+from workers.cupy.gpu.graphs import capture
 
 
 class VerifyGraphs:
@@ -84,16 +85,7 @@ class VerifyGraphs:
                        self.rows[:g], self.kv, self.block_size, decode=False, small=True)
 
     def _capture(self, g: int):
-        with self.stream:
-            self._step(g)  # once eagerly (all padding): module loads, cuBLAS heuristics, no allocation in capture
-            self.stream.synchronize()
-            self.stream.begin_capture()
-            try:
-                self._step(g)
-            finally:
-                graph = self.stream.end_capture()
-        self.stream.synchronize()
-        return graph
+        return capture(self.stream, lambda: self._step(g))  # all padding while capturing
 
     def size_for(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
