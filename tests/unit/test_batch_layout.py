@@ -1,0 +1,82 @@
+"""build_batch (vectorised over the step's tokens) against a per-sequence reference, on random layouts:
+prefill chunks, decode tokens and speculative drafts mixed, one or two KV pools (slid-out local blocks)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from workers.cupy.batch import build_batch
+from workers.cupy.sequence import Sequence
+
+BS = 4
+
+
+def layout(rng: random.Random, two_pools: bool):
+    scheduled, drafts = [], {}
+    for b in range(rng.randint(1, 9)):
+        length = rng.randint(1, 60)
+        done = rng.randint(0, length - 1)
+        n = rng.randint(1, length - done)
+        draft = []
+        if done + n == length and rng.random() < 0.4:
+            draft = [rng.randint(0, 999) for _ in range(rng.randint(1, 4))]
+            drafts[b] = draft
+        seq = Sequence(request_id=str(b), token_ids=[rng.randint(0, 999) for _ in range(length)], max_tokens=8)
+        seq.num_computed = done
+        seq.block_table = [rng.randint(0, 500) for _ in range(-(-(done + n + len(draft)) // BS) + rng.randint(0, 2))]
+        if two_pools:  # blocks wholly behind the step's first position may have slid out (-1)
+            seq.local_table = [-1 if i < done // BS - rng.randint(1, 3) else rng.randint(0, 80)
+                               for i in range(len(seq.block_table))]
+        scheduled.append((seq, n + len(draft)))
+    return scheduled, drafts
+
+
+def reference(scheduled, drafts):
+    """Token by token, the way the layout is defined."""
+    tokens, positions, slots, local_slots, rows, sample = [], [], [], [], [], []
+    for b, (seq, n) in enumerate(scheduled):
+        draft = drafts.get(b, [])
+        known = seq.token_ids[seq.num_computed : seq.num_computed + n - len(draft)]
+        for i, tok in enumerate(known + draft):
+            p = seq.num_computed + i
+            tokens.append(tok)
+            positions.append(p)
+            slots.append(seq.block_table[p // BS] * BS + p % BS)
+            if seq.local_table:
+                local_slots.append(seq.local_table[p // BS] * BS + p % BS)
+        if seq.num_computed + n == len(seq.token_ids) + len(draft):
+            end = len(tokens)
+            rows += range(end - 1 - len(draft), end)
+            sample += [b] * (1 + len(draft))
+    return tokens, positions, slots, local_slots, rows, sample
+
+
+@pytest.mark.parametrize("two_pools", [False, True])
+def test_build_batch_matches_the_per_token_reference(two_pools):
+    rng = random.Random(11 + two_pools)
+    for _ in range(400):
+        scheduled, drafts = layout(rng, two_pools)
+        batch = build_batch(scheduled, BS, np, drafts)
+        tokens, positions, slots, local_slots, rows, sample = reference(scheduled, drafts)
+        assert batch.token_ids.tolist() == tokens and batch.token_ids.dtype == np.int32
+        assert batch.positions.tolist() == positions and batch.positions.dtype == np.int32
+        assert batch.slot_mapping.tolist() == slots and batch.slot_mapping.dtype == np.int64
+        assert batch.logits_indices.tolist() == rows and batch.sample_rows == sample
+        assert batch.num_tokens == len(tokens)
+        for b, (seq, n) in enumerate(scheduled):
+            assert batch.meta.block_tables[b, : len(seq.block_table)].tolist() == seq.block_table
+            assert batch.meta.seq_lens[b] == seq.num_computed + n
+        if two_pools:
+            assert batch.local_slot_mapping.tolist() == local_slots
+            assert batch.local_meta.block_tables.min() >= 0  # slid-out entries go to the kernels as block 0
+        else:
+            assert batch.local_meta is None and batch.local_slot_mapping is None
+
+
+def test_a_token_past_its_blocks_is_refused():
+    seq = Sequence(request_id="x", token_ids=list(range(9)), max_tokens=4)
+    seq.block_table = [3, 4]  # 8 slots for 9 tokens
+    with pytest.raises(AssertionError):
+        build_batch([(seq, 9)], BS, np)
