@@ -17,19 +17,16 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
-from bench.machine import machine_info
-from bench.procs import Proc, cpu_ticks, free_port, python_module, stop_all
-from pulse import doctor
+from bench.machine import checked_machine_info
+from bench.procs import Proc, cpu_ticks, free_port, owned_processes, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO = 2.0, 10.0, 0.5
@@ -145,13 +142,18 @@ async def _load_with_cpu(spec: LoadSpec, path: list[Proc]) -> dict:
     return out
 
 
-def report(args, records, targets, machine, started) -> dict:
+def summarize(records: list[dict], targets: Sequence[str], clients: Sequence[int]) -> dict:
+    """Per configuration, its measured and derived (added-over-direct) metrics; rows by client count, then
+    by target in `targets` order, whatever order the last repeat ran in."""
     measured = protocol.summarize(records)
-    for cfg, ms in protocol.summarize(derive(records, list(targets), args.clients)).items():
+    for cfg, ms in protocol.summarize(derive(records, list(targets), clients)).items():
         measured.setdefault(cfg, {}).update(ms)
-    # rows by client count, then direct / relay / pulse, whatever order the last repeat ran in
-    order = [config_name(t, c) for c in args.clients for t in targets]
-    summary = {cfg: measured[cfg] for cfg in order if cfg in measured}
+    order = [config_name(t, c) for c in clients for t in targets]
+    return {cfg: measured[cfg] for cfg in order if cfg in measured}
+
+
+def report(args, records, targets, machine, started) -> dict:
+    summary = summarize(records, list(targets), args.clients)
     params = vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)}
     return protocol.publish("gateway_overhead", records, summary, params, started, machine, verdict(summary, args.clients),
                             TABLE_METRICS, PLOT_METRICS, args.out)
@@ -175,22 +177,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    # SIGTERM must run the finally below, or the servers outlive the benchmark
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # what would spoil the figures, read before anything starts, kept with the result
-    found = doctor.findings(doctor.take_readings(0.5))
-    print(doctor.table(found), file=sys.stderr)
-    machine, started = machine_info() | {"doctor": [asdict(f) for f in found]}, time.time()
+    machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
-    procs: list[Proc] = []
-    try:
+    with owned_processes() as procs:
         targets = start_targets(args, log_dir, procs)
         runs = measures(args, targets, serving_paths(procs))
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
         report(args, records, {k: v[0] for k, v in targets.items()}, machine, started)
-    finally:
-        stop_all(procs)
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import msgspec
 
 from bench import loops, protocol
-from bench.gateway_overhead import _load_with_cpu, config_name, derive, first_model
+from bench.gateway_overhead import _load_with_cpu, config_name, first_model
+from bench.gateway_overhead import summarize as overhead_summary
 from bench.loadgen import LoadSpec
-from bench.machine import REPO, machine_info
-from bench.procs import Proc, descendants, free_port, python_module, stop_all
-from pulse import doctor
+from bench.machine import REPO, checked_machine_info
+from bench.procs import Proc, descendants, free_port, owned_processes, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS = 2.0
@@ -143,11 +141,7 @@ def verdict(summary: dict, clients: Sequence[int]) -> list[str]:
 
 
 def summarize(records: list[dict], clients: Sequence[int]) -> dict:
-    measured = protocol.summarize(records)
-    for cfg, ms in protocol.summarize(derive(records, list(TARGETS), clients)).items():
-        measured.setdefault(cfg, {}).update(ms)
-    order = [config_name(t, c) for c in clients for t in TARGETS]
-    return {cfg: measured[cfg] for cfg in order if cfg in measured}
+    return overhead_summary(records, TARGETS, clients)
 
 
 def report(args, records, params, machine, started) -> dict:
@@ -177,15 +171,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the servers
-    found = doctor.findings(doctor.take_readings(0.5))
-    print(doctor.table(found), file=sys.stderr)
-    machine, started = machine_info() | {"doctor": [asdict(f) for f in found]}, time.time()
+    machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "pulse.yaml").write_text(config_yaml(args, log_dir))
-    procs: list[Proc] = []
-    try:
+    with owned_processes() as procs:
         port = free_port()
         # `python -m pulse.cli` from this checkout, not whatever `pulse` is first on PATH
         pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
@@ -205,9 +195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = vars(args) | {"llama_server": {"pid": llama_pid, "port": llama_port, "same_process_at_end": same},
                                "prompt_ids": ids, "loop": loops.resolve(args.loop)}
         report(args, records, params, machine, started)
-    finally:
-        stop_all(procs)
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

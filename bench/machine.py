@@ -80,3 +80,16 @@ def _doctor_note(found: list[dict] | None) -> str:
         return ""
     warned = [f"{f['check']} ({f['value']})" for f in found if f["ok"] is False]
     return "; pulse doctor: " + ("; ".join(warned) if warned else "clean")
+
+
+def checked_machine_info() -> dict:
+    """machine_info() plus `pulse doctor`'s findings (what would spoil the figures), read before a benchmark
+    starts anything, printed to stderr and kept with the result."""
+    import sys
+    from dataclasses import asdict
+
+    from pulse import doctor
+
+    found = doctor.findings(doctor.take_readings(0.5))
+    print(doctor.table(found), file=sys.stderr)
+    return machine_info() | {"doctor": [asdict(f) for f in found]}

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -196,3 +197,16 @@ def stop_all(procs: list) -> None:
     for proc in reversed(procs):
         if leftovers := proc.stop():
             print(f"warning: {proc.name} left {', '.join(leftovers)} after SIGTERM (killed)", file=sys.stderr)
+
+
+@contextmanager
+def owned_processes():
+    """The list a benchmark appends its processes to; all are stopped on the way out (stop_all), also on
+    SIGTERM, which becomes SystemExit meanwhile so that this exit runs and no server outlives the benchmark."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    procs: list = []
+    try:
+        yield procs
+    finally:
+        stop_all(procs)
+        signal.signal(signal.SIGTERM, previous)

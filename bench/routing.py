@@ -41,7 +41,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -58,10 +57,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loops, protocol
 from bench.loadgen import event_content
-from bench.machine import describe, machine_info
-from bench.procs import Proc, free_port, python_module, stop_all
+from bench.machine import checked_machine_info, describe
+from bench.procs import Proc, free_port, owned_processes, python_module, stop_all
 from cache.hashing import ROOT_HASH, block_hash
-from pulse import doctor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ["pulse", "round_robin", "least_loaded", "session_sticky"]
@@ -482,13 +480,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally stops the servers
-    found = doctor.findings(doctor.take_readings(0.5))
-    print(doctor.table(found), file=sys.stderr)
-    machine, started = machine_info() | {"doctor": [asdict(f) for f in found]}, time.time()
+    machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-routing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
-    encode, counter, procs = prompt_builder(), itertools.count(), []
-    try:
+    encode, counter = prompt_builder(), itertools.count()
+    with owned_processes() as procs:
         if args.one_at_a_time:
             starts: list = []
             runs = {s: make_cold_measure(args, s, log_dir, counter, encode, procs, starts) for s in args.strategies}
@@ -499,9 +494,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = {s: make_measure(args, targets[s], counter, encode) for s in args.strategies}
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet))
         report(args, records, targets, machine, started)
-    finally:
-        stop_all(procs)
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
