@@ -60,7 +60,8 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     query_start = np.zeros(n_seq + 1, np.int32)
     np.cumsum(counts, out=query_start[1:])
     seq_lens = (starts + counts).astype(np.int32)
-    max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+    lens = np.fromiter((len(seq.block_table) for seq, _ in scheduled), np.int64, n_seq)
+    max_blocks = int(lens.max())
     tables = np.zeros((n_seq, max_blocks), np.int32)
     two_pools = any(seq.local_table for seq, _ in scheduled)
     local_raw = np.zeros((n_seq, max_blocks), np.int64) if two_pools else None
@@ -81,7 +82,6 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     row = np.repeat(np.arange(n_seq), counts)
     positions = np.repeat(starts - query_start[:-1], counts) + np.arange(total)
     block, offset = positions // block_size, positions % block_size
-    lens = np.fromiter((len(seq.block_table) for seq, _ in scheduled), np.int64, n_seq)
     assert (block < lens[row]).all(), "a token past its sequence's allocated blocks"
     slots = tables[row, block].astype(np.int64) * block_size + offset
     local = {}

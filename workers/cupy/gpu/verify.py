@@ -30,7 +30,7 @@ class VerifyGraphs:
     def __init__(self, model, kv, block_size: int, sizes, max_rows: int, max_blocks: int):
         self.model, self.kv, self.block_size = model, kv, block_size
         self.sizes, self.max_rows, self.max_blocks = tuple(sorted(sizes)), max_rows, max_blocks
-        self.two_pools = bool(getattr(kv, "two_pools", False))
+        self.two_pools = kv.two_pools
         t = self.sizes[-1]
         # the extra block kv_storage() added at the end of each pool
         self.scratch = (kv.num_global * block_size,) + ((kv.num_local * block_size,) if self.two_pools else ())
@@ -98,7 +98,7 @@ class VerifyGraphs:
         g = self.size_for(t)
         return (int(batch.logits_indices.shape[0]) == t and g is not None
                 and meta.seq_lens.size <= self._rows(g) and meta.block_tables.shape[1] <= self.max_blocks
-                and (getattr(batch, "local_meta", None) is not None) == self.two_pools)
+                and (batch.local_meta is not None) == self.two_pools)
 
     def run(self, batch):
         """Logits rows (T, vocab) of the step, in token order; `model.last_chosen` gets their argmax ids."""
