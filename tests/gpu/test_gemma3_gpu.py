@@ -49,12 +49,13 @@ def random_weights(cfg: Gemma3Config) -> dict:
     return w
 
 
-def step(models, kvs, scheduled):
-    """Run one step of `scheduled` (sequence, n) through each model; host logits per model."""
+def step(models, kvs, scheduled, drafts=None):
+    """Run one step of `scheduled` (sequence, n) through each model (with speculative `drafts`, as
+    build_batch takes them); host logits per model."""
     out = []
     for model, kv in zip(models, kvs):
         xp = model.xp
-        batch = build_batch(scheduled, BS, xp)
+        batch = build_batch(scheduled, BS, xp, drafts)
         logits = model.forward(batch, kv)
         out.append(logits.get() if hasattr(logits, "get") else np.asarray(logits))
     return out

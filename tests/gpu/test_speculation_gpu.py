@@ -13,7 +13,6 @@ import pytest
 
 from tests.gpu.test_gemma3_gpu import PROMPTS, random_weights, real, rel, step  # noqa: F401 (fixture)
 from tests.integration.test_speculation import EDIT, SOURCE  # the same code edit as the CPU tests
-from workers.cupy.batch import build_batch
 from workers.cupy.gemma3 import Gemma3, Gemma3Config
 from workers.cupy.kv_cache import BlockManager
 from workers.cupy.ops import Ops
@@ -25,15 +24,6 @@ from workers.cupy.gpu.gemma3 import GpuGemma3  # noqa: E402
 
 RNG = np.random.default_rng()
 BS = 16
-
-
-def verify_step(models, kvs, runs, drafts):
-    out = []
-    for model, kv in zip(models, kvs):
-        batch = build_batch(runs, BS, model.xp, drafts)
-        logits = model.forward(batch, kv)
-        out.append(logits.get() if hasattr(logits, "get") else np.asarray(logits))
-    return out
 
 
 @pytest.mark.parametrize("draft_lens", [(3, 0, 2), (6, 0, 7, 1)])  # 8 tokens (small path), 19 (cuBLAS)
@@ -62,7 +52,7 @@ def test_verify_step_graph_matches_cpu(draft_lens):
                 drafts[b] = RNG.integers(0, cfg.vocab_size, draft_lens[b]).tolist()
             blocks.allocate(s, 1 + draft_lens[b])
             runs.append((s, 1 + draft_lens[b]))
-        c, g = verify_step([cpu, gpu], kvs, runs, drafts)
+        c, g = step([cpu, gpu], kvs, runs, drafts)
         assert c.shape[0] == sum(n for _, n in runs)
         assert rel(g, c) < 1e-2
         assert gpu.last_logits.data.ptr == gpu._verify.ws.logits.data.ptr  # the verify graph ran, not eager
