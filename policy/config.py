@@ -96,6 +96,10 @@ class EngineConfig(PulseModel):
         False, description="Cross-step pipelining: keep one step per micro-batch group in the stages at once "
         "instead of draining them at every step's end (docs/PIPELINE.md: measured, off by default)."
     )
+    pipeline_cuda_ipc: bool = Field(
+        True, description="Pipeline hops between CUDA processes of one host (stages sharing a GPU, or peer GPUs) "
+        "move activations device to device through CUDA IPC; off: through host memory (shared memory or sockets)."
+    )
 
 
 class LlamaCheckpointConfig(PulseModel):

@@ -1,7 +1,9 @@
 """Building a pipelined engine: split the layers, place and wire the stage actors, build the driver's ends.
 
 Placement decides the transport: every hop is a direct TCP socket (loopback when all stages share the
-driver's host, the network otherwise); the name goes into the pipeline stats. Ray only places the actors.
+driver's host, the network otherwise); on one host the arrays go through shared memory, and a hop whose two
+ends are CUDA processes on one host moves the residual stream device to device through CUDA IPC
+(cuda_ipc.py). The name goes into the pipeline stats. Ray only places the actors.
 """
 from __future__ import annotations
 
@@ -77,15 +79,32 @@ def transport_name(addresses, driver_host: str, shm: bool = True) -> str:
     return "tcp"
 
 
+def ipc_hops(addresses, stages_plan, driver_host: str, driver_device: str, enabled: bool) -> list[bool]:
+    """Per hop of the ring (driver -> stage 0 ... last stage -> driver): CUDA IPC or not, by placement."""
+    from workers.pipeline import cuda_ipc
+
+    ends = [cuda_ipc.End(driver_host, driver_device)]
+    ends += [cuda_ipc.End(host, "cpu" if dev == "cpu" else "cuda") for (host, _), (dev, _, _) in zip(addresses, stages_plan)]
+    return cuda_ipc.plan_hops(ends, enabled, enabled and driver_device != "cpu" and cuda_ipc.available())
+
+
+def ring_spec(micro_batches: int, max_step_tokens: int, hidden: int) -> tuple[int, int]:
+    """(slots, slot bytes) of each CUDA IPC hop's device ring: slots for more messages than the driver keeps
+    in flight (one per micro-batch or group; cuda_ipc.py says why that bounds every hop) with two to spare,
+    each slot the largest message (a whole step's tokens of fp32 residual)."""
+    return max(4, micro_batches + 2), max_step_tokens * hidden * 4
+
+
 def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_batches: int, model_path=None,
                             cache_dir=None, block_size: int, num_blocks: int, max_num_seqs: int,
                             max_step_tokens: int, context_length: int, block_sink=None, bind_host="127.0.0.1",
                             cpu_threads=1, resources=None, seed=None, launcher="ray", graphs=True, overlap=False,
-                            shm=True, window_pool=True):
+                            shm=True, window_pool=True, cuda_ipc=True):
     """An Engine whose model is a PipelinedModel over stage actors; (engine, stages). `overlap`: cross-step
     pipelining (workers/pipeline/overlap.py), one group of sequences per micro-batch. `shm`: same-host hops
-    move their arrays through shared memory (workers/pipeline/shm.py). `window_pool`: the sliding-window
-    layers' own KV pool (workers/cupy/kv_cache.plan_pools)."""
+    move their arrays through shared memory (workers/pipeline/shm.py). `cuda_ipc`: hops between CUDA
+    processes of one host move the residual stream device to device (workers/pipeline/cuda_ipc.py).
+    `window_pool`: the sliding-window layers' own KV pool (workers/cupy/kv_cache.plan_pools)."""
     from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.sampler import Sampler
@@ -109,7 +128,11 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     n = len(addresses)
     driver_host = bind_host if bind_host != "0.0.0.0" else _node_ip()
     transport = transport_name(addresses, driver_host, shm)
-    model = PipelinedModel(ends, n, transport, micro_batches or n, bind_host, driver_host)
+    mb = micro_batches or n
+    # the hops that could use CUDA IPC are planned even when it is off, so the bench can rewire onto it
+    hops = ipc_hops(addresses, stages_plan, driver_host, device, True)
+    model = PipelinedModel(ends, n, transport, mb, bind_host, driver_host, hops,
+                           ring_spec(mb, max_step_tokens, cfg.hidden), ipc=cuda_ipc)
     model.wire(stages)
     log.info("pipeline: %d stages %s over %s", n, stages_plan, model.stats.transport)
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
@@ -156,5 +179,5 @@ def build_for_backend(info, weights, engine_cfg, xp, sizes: dict, block_sink, mu
         info, weights, stages_plan=plan, device=device, micro_batches=engine_cfg.micro_batches,
         model_path=str(info.path), cache_dir=engine_cfg.cache_dir, block_sink=block_sink,
         bind_host="0.0.0.0" if multi_host else "127.0.0.1", cpu_threads=engine_cfg.cpu_threads,
-        overlap=engine_cfg.pipeline_overlap, **sizes)
+        overlap=engine_cfg.pipeline_overlap, cuda_ipc=engine_cfg.pipeline_cuda_ipc, **sizes)
     return engine

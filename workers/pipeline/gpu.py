@@ -30,6 +30,7 @@ class GpuLayers:
         self.model = GpuGemma3(range_config(cfg, lo, hi), slice_weights(weights, lo, hi, cfg.hidden, False),
                                act=act, graph_sizes=(), max_model_len=max_model_len)
         self.kv, self.block_size, self.graphs = None, 0, None
+        self.device_out = False  # the output stays on the device (a CUDA IPC hop next: cuda_ipc.py)
 
     def alloc_kv(self, num_blocks: int, block_size: int, max_seqs: int = 0, num_local: int | None = None) -> None:
         self.kv, self.block_size = self.model.kv_storage(num_blocks, block_size, num_local=num_local), block_size
@@ -58,13 +59,19 @@ class GpuLayers:
             nxt = L[i + 1]["attn_norm"] if i + 1 < len(L) else lw["post_ffn_norm"]
             k.add_norm(ws.resid, ws.down, lw["post_ffn_norm"], nxt, eps, ws.x)
 
-    def run(self, x: np.ndarray, batch: StepBatch, last: bool) -> np.ndarray:
+    def run(self, x, batch: StepBatch, last: bool):
+        """The slice's output for `x` (host or device rows): a host array, or with `device_out` a device one
+        (with graphs, a view of their workspace: valid until the next step is launched on this stream, and
+        the IPC copy into the next hop's ring is launched before that)."""
         meta = batch.meta
         n_query = np.diff(meta.query_start)
         decode = bool(np.all(n_query == 1))
         if decode and self.graphs is not None:
             out = self.graphs.run_stage(x, batch)
             if out is not None:
+                if self.device_out:
+                    return out[cp.asarray(batch.logits_indices, cp.int64)] if last else out
+                out = out.get()
                 return out[batch.logits_indices] if last else out
         ws = Workspace.allocate(self.model.cfg, batch.num_tokens, 1, self.model.act)
         ws.resid[...] = cp.asarray(x)
@@ -73,7 +80,8 @@ class GpuLayers:
         self.layer_loop(ws, cp.zeros_like(ws.resid), cp.asarray(batch.positions, cp.int32), slots, tok_row, tables,
                         decode)
         out = ws.resid[cp.asarray(batch.logits_indices, cp.int64)] if last else ws.resid
-        return cp.ascontiguousarray(out).get()
+        out = cp.ascontiguousarray(out)
+        return out if self.device_out else out.get()
 
 
 class StageGraphs(DecodeGraphs):
@@ -93,16 +101,20 @@ class StageGraphs(DecodeGraphs):
         ws.resid[...] = self.x_in[:g]
         self.layers.layer_loop(ws, self.zeros[:g], self.pos[:g], slots, self.tok_row[:g], tables, True)
 
-    def run_stage(self, x: np.ndarray, batch: StepBatch) -> np.ndarray | None:
+    def run_stage(self, x, batch: StepBatch):
+        """The step's output rows on the device (a view of the graphs' workspace), or None (no graph fits)."""
         meta = batch.meta
         n = int(meta.seq_lens.size)
         g = self.size_for(n)
         if g is None or meta.block_tables.shape[1] > self.max_blocks:
             return None
         self.load(np.zeros(n, np.int32), meta.seq_lens - 1, meta.block_tables, g, self.local_tables_of(batch))
-        self.x_in[:n].set(np.ascontiguousarray(x, np.float32))
+        if isinstance(x, cp.ndarray):  # from a CUDA IPC hop: already on this device
+            self.x_in[:n] = x
+        else:
+            self.x_in[:n].set(np.ascontiguousarray(x, np.float32))
         self.replay(g)
-        return self.ws.resid[:n].get()
+        return self.ws.resid[:n]
 
 
 class GpuEnds:
@@ -117,19 +129,20 @@ class GpuEnds:
                                graph_sizes=(), max_model_len=8)
         self.last_logits = self.last_chosen = None
         self._ws: dict[int, Workspace] = {}
+        self.device_out = False  # embeddings stay on the device (a CUDA IPC hop to stage 0: cuda_ipc.py)
 
-    def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+    def embed_tokens(self, token_ids: np.ndarray):
         m, t = self.model, token_ids.shape[0]
         resid = cp.empty((t, self.cfg.hidden), cp.float32)
         scratch = cp.empty((t, self.cfg.hidden), kv_dtype(m.act))  # the normed copy: unused here
         m.kernels.embed_norm(cp.asarray(token_ids, cp.int32), m.embed, math.sqrt(self.cfg.hidden), m.out_norm,
                              self.cfg.eps, resid, scratch)
-        return resid.get()
+        return resid if self.device_out else resid.get()
 
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
 
-    def head(self, x_rows: np.ndarray):
+    def head(self, x_rows):  # host rows, or device rows from a CUDA IPC hop
         m, c = self.model, self.cfg
         s = x_rows.shape[0]
         ws = self._ws.get(s)

@@ -49,10 +49,13 @@ class RayStages:
         remove_rings(before[i] for i in restarted)
         return restarted
 
-    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False, ipc: list[dict] | None = None) -> None:
+        """`ipc`: per stage, its CUDA IPC ends (StageActor.connect); None: none."""
         import ray
 
-        ray.get([a.connect.remote(*nxt, shm) for a, nxt in zip(self.actors, nexts)], timeout=REVIVE_TIMEOUT_S)
+        ipc = ipc or [None] * len(nexts)
+        ray.get([a.connect.remote(*nxt, shm, i) for a, nxt, i in zip(self.actors, nexts, ipc)],
+                timeout=REVIVE_TIMEOUT_S)
         if getattr(self, "_pids", None) is None:
             self._pids = self.pids()  # what `revive` compares against to tell the restarted stages
 
@@ -76,7 +79,7 @@ def _stage_main(conn, spec: dict) -> None:
     conn.send((stage.address(), stage.pid()))
     # each message is where to connect: the first wiring, then one per rebuilt ring; None ends the process
     while (nxt := conn.recv()) is not None:
-        stage.connect(*nxt)  # (host, port, shm)
+        stage.connect(*nxt)  # (host, port, shm, ipc)
         conn.send(True)
 
 
@@ -121,9 +124,9 @@ class ProcessStages:
         self._collect(dead)
         return dead
 
-    def connect(self, nexts: list[tuple[str, int]], shm: bool = False) -> None:
-        for c, nxt in zip(self.conns, nexts):
-            c.send((*nxt, shm))
+    def connect(self, nexts: list[tuple[str, int]], shm: bool = False, ipc: list[dict] | None = None) -> None:
+        for c, nxt, i in zip(self.conns, nexts, ipc or [None] * len(nexts)):
+            c.send((*nxt, shm, i))
         for c in self.conns:
             if not c.poll(REVIVE_TIMEOUT_S):
                 raise TimeoutError("a pipeline stage did not connect")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from workers.cupy.batch import StepBatch
-from workers.pipeline import wire
+from workers.pipeline import cuda_ipc, wire
+from workers.pipeline.cuda_ipc import IpcIn, IpcOut
 from workers.pipeline.shm import ShmReader, ShmRing
 
 
@@ -39,6 +40,9 @@ class PipelineStats:
     head_s: float = 0.0
     stage_compute_s: list[float] = field(default_factory=list)
     rebuilds: int = 0  # rings rebuilt after a lost stage (recovery.py)
+    messages: int = 0  # micro-batch results back from the last stage
+    ipc_hops: int = 0  # hops those messages' activations made through CUDA IPC (cuda_ipc.py) ...
+    ipc_fallbacks: int = 0  # ... and through host memory on a CUDA IPC hop (its ring full or unusable)
 
     def as_dict(self) -> dict:
         t = max(self.tokens, 1)
@@ -86,7 +90,11 @@ class PipelinedModel:
     xp = np  # step inputs are built on the host; they travel to the stages from there
 
     def __init__(self, ends, n_stages: int, transport: str, micro_batches: int, bind_host: str = "127.0.0.1",
-                 driver_host: str | None = None):
+                 driver_host: str | None = None, ipc_hops: list[bool] | None = None, ring: tuple[int, int] = (0, 0),
+                 ipc: bool = False):
+        """`transport`: "shm", "tcp-loopback" or "tcp" (build.transport_name). `ipc_hops`: per hop of the ring
+        (driver -> stage 0, ..., last stage -> driver), whether it may move activations through CUDA IPC
+        (cuda_ipc.plan_hops); `ring`: (slots, slot bytes) of each such hop's device ring; `ipc`: use them."""
         self.ends, self.micro_batches = ends, micro_batches
         self.stats = PipelineStats(transport=transport, stages=n_stages, micro_batches=micro_batches,
                                    stage_compute_s=[0.0] * n_stages)
@@ -97,33 +105,57 @@ class PipelinedModel:
         self._alloc: tuple | None = None
         self.up = self.down = None
         self.shm = transport == "shm"
+        self._base = transport
+        self.ipc_hops = list(ipc_hops or [False] * (n_stages + 1))
+        self.ring, self.ipc = ring, ipc and any(self.ipc_hops)
         self._reader: ShmReader | None = None
+        self._ipc_in: IpcIn | None = None
+        self._ipc_out: IpcOut | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         return self._server.getsockname()
 
-    def wire(self, stages, shm: bool | None = None) -> None:
+    def wire(self, stages, shm: bool | None = None, ipc: bool | None = None) -> None:
         """Close the ring: each stage connects to the next, the last to the driver; the driver to the first.
-        `shm`: every hop on this host, arrays through shared memory (shm.py); None: as before."""
+        `shm`: every hop on this host, arrays through shared memory (shm.py); `ipc`: the hops that can, the
+        residual stream device to device (cuda_ipc.py); None: as before."""
         if shm is not None:
             self.shm = shm
-            self.stats.transport = "shm" if shm else "tcp-loopback"
-        stages.connect(list(stages.addresses[1:]) + [(self._driver_host, self.address[1])], self.shm)
+            self._base = "shm" if shm else "tcp-loopback"
+        if ipc is not None:
+            self.ipc = ipc and any(self.ipc_hops)
+        hops = self.ipc_hops if self.ipc else [False] * len(self.ipc_hops)
+        self.stats.transport = cuda_ipc.label(hops, self._base)
+        nexts = list(stages.addresses[1:]) + [(self._driver_host, self.address[1])]
+        if any(hops):  # each stage: a ring for its incoming hop, an IPC sender for its outgoing one
+            stages.connect(nexts, self.shm, [{"in": self.ring if hops[i] else None, "out": hops[i + 1]}
+                                             for i in range(len(nexts))])
+        else:
+            stages.connect(nexts, self.shm)
         self.up = wire.connect(*stages.addresses[0])
         self.down, _ = self._server.accept()
         wire.tune(self.down)
         self._reader = ShmReader()
+        self._ipc_in = IpcIn(self.down, *self.ring) if hops[-1] else None
+        self.ends.device_out = hops[0]  # GpuEnds: embeddings stay on the device for the IPC hop
         # sends run in their own thread, so a step's later micro-batches never wait behind a full socket
         # while the driver is not yet reading the first one's result
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._send_loop, args=(self._outbox, self.up, ShmRing() if self.shm else None),
                          name="pipeline-send", daemon=True).start()
+        # the IPC copy is launched from the engine's thread, on the stream the embeddings were computed on
+        self._ipc_out = IpcOut(self.up) if hops[0] else None
 
-    def rewire(self, stages, shm: bool) -> None:
+    def rewire(self, stages, shm: bool, ipc: bool = False) -> None:
         """Wire the same stages again over another transport (the bench compares them; KV is kept)."""
         self._disconnect()
-        self.wire(stages, shm)
+        self.wire(stages, shm, ipc)
+
+    @property
+    def mode(self) -> str:
+        """"ipc", "shm" or "tcp": what the bench asks `rewire` for."""
+        return "ipc" if self.ipc else "shm" if self.shm else "tcp"
 
     def rebuild(self, stages) -> list[int]:
         """After a StageLost: tear the ring down (every survivor's loop ends), bring the stages back (the
@@ -144,7 +176,10 @@ class PipelinedModel:
                 s.close()
         if self._reader is not None:
             self._reader.close()
-        self.up = self.down = self._outbox = self._reader = None
+        for end in (self._ipc_in, self._ipc_out):
+            if end is not None:
+                end.close()
+        self.up = self.down = self._outbox = self._reader = self._ipc_in = self._ipc_out = None
         self._inflight.clear()
 
     def _send_loop(self, outbox: queue.SimpleQueue, sock, ring: ShmRing | None) -> None:
@@ -196,8 +231,21 @@ class PipelinedModel:
             t0 = time.perf_counter()
             x = self.ends.embed_tokens(tokens)
             self.stats.embed_s += time.perf_counter() - t0
-            self._outbox.put(({"kind": "run", "mb": mb, "block_size": kv.block_size}, {**arrays, "x": x}))
+            self._outbox.put(self._pack({"kind": "run", "mb": mb, "block_size": kv.block_size}, {**arrays, "x": x}))
         self._inflight.append((len(cut), batch.num_tokens))
+
+    def _pack(self, header: dict, arrays: dict) -> tuple[dict, dict]:
+        """On a CUDA IPC first hop: the embeddings into stage 0's device ring (cuda_ipc.IpcOut.pack)."""
+        if self._ipc_out is None:
+            return header, arrays
+        t0 = time.perf_counter()
+        try:
+            header, arrays, moved = self._ipc_out.pack(header, arrays)
+        except OSError as exc:
+            raise StageLost(f"a pipeline stage was lost: {exc}") from exc
+        self.stats.bytes += moved
+        self.stats.transfer_s += time.perf_counter() - t0
+        return header, arrays
 
     def collect(self):
         """The logits of the oldest launched step (all its micro-batches read even when one failed, so the
@@ -217,7 +265,7 @@ class PipelinedModel:
             self.stats.steps += 1
             self.stats.tokens += tokens
             t0 = time.perf_counter()
-            logits = self.ends.head(np.concatenate(rows) if len(rows) > 1 else rows[0])
+            logits = self.ends.head(_concat(rows))
             if hasattr(self.ends, "synchronize"):  # a GPU head: count its kernels, not just their launches
                 self.ends.synchronize()
             self.stats.head_s += time.perf_counter() - t0
@@ -238,11 +286,20 @@ class PipelinedModel:
     def _receive(self) -> dict:
         try:
             header, arrays, n, recv_s = wire.recv(self.down, self._reader)
+            if self._ipc_in is not None and "ipc" in header:  # the rows are in this driver's device ring
+                t0 = time.perf_counter()
+                arrays = self._ipc_in.unpack(header, arrays)
+                recv_s += time.perf_counter() - t0
+                n += int(arrays["x"].nbytes)
         except OSError as exc:  # ConnectionError included: a stage (or its process) is gone
             raise StageLost(f"a pipeline stage was lost: {exc}") from exc
         self.stats.bytes += n
         if header["kind"] == "error":
             raise RuntimeError(header["message"])
+        if header["kind"] == "run":
+            self.stats.messages += 1
+            self.stats.ipc_hops += header.get("ipc_n", 0)
+            self.stats.ipc_fallbacks += header.get("ipc_fb", 0)
         for i, s in enumerate(header.get("compute_s", [])):
             self.stats.stage_compute_s[i] += s
         self.stats.transfer_s += header.get("hop_s", 0.0) + recv_s
@@ -257,3 +314,14 @@ class PipelinedModel:
                 pass
         self._disconnect()
         self._server.close()
+
+
+def _concat(rows: list):
+    """One array of the micro-batches' rows: on the device when any arrived there (CUDA IPC)."""
+    if len(rows) == 1:
+        return rows[0]
+    if all(isinstance(r, np.ndarray) for r in rows):
+        return np.concatenate(rows)
+    import cupy as cp
+
+    return cp.concatenate([cp.asarray(r) for r in rows])

@@ -19,6 +19,7 @@ import threading
 import time
 
 from workers.pipeline import wire
+from workers.pipeline.cuda_ipc import IpcIn, IpcOut
 from workers.pipeline.shm import ShmReader, ShmRing
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class StageActor:
         self.host = bind_host if bind_host != "0.0.0.0" else _node_ip()
         self._thread: threading.Thread | None = None
         self.down = self.ring = None
+        self.ipc: dict = {}
         self._send_s = 0.0
 
     def address(self) -> tuple[str, int]:
@@ -70,16 +72,21 @@ class StageActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def connect(self, host: str, port: int, shm: bool = False) -> bool:
+    def connect(self, host: str, port: int, shm: bool = False, ipc: dict | None = None) -> bool:
         """Connect to the next hop and start serving the previous one (which connects to `address()`).
         Called again after a ring was torn down: the old loop has ended (its sockets closed) or ends soon.
-        `shm`: the next hop shares this host; the arrays go through a shared-memory ring (shm.py)."""
+        `shm`: the next hop shares this host; the arrays go through a shared-memory ring (shm.py).
+        `ipc` (cuda_ipc.py): {"in": (slots, slot bytes) of a device ring for the incoming hop, or None;
+        "out": whether the outgoing hop moves the residual stream through the next one's ring}."""
         if self._thread is not None:
             self._thread.join(timeout=30)
             if self._thread.is_alive():
                 raise RuntimeError(f"stage {self.lo}-{self.hi} is still serving the old ring")
         self.down = wire.connect(host, port)
         self.ring = ShmRing() if shm else None
+        self.ipc = ipc or {}
+        if hasattr(self.layers, "device_out"):  # GpuLayers: keep the output on the device for the IPC hop
+            self.layers.device_out = bool(self.ipc.get("out"))
         self._thread = threading.Thread(target=self._serve, name=f"stage-{self.lo}-{self.hi}", daemon=True)
         self._thread.start()
         return True
@@ -88,8 +95,11 @@ class StageActor:
         up, _ = self.server.accept()
         wire.tune(up)
         reader = ShmReader()
+        ipc_in = ipc_out = None
         try:
-            self._loop(up, reader)
+            ipc_in = IpcIn(up, *self.ipc["in"]) if self.ipc.get("in") else None
+            ipc_out = IpcOut(self.down) if self.ipc.get("out") else None
+            self._loop(up, reader, ipc_in, ipc_out)
         except OSError as exc:  # a neighbour went away (ConnectionError is an OSError): pass the loss on
             log.warning("stage %d-%d: ring closed (%s)", self.lo, self.hi, exc)
         finally:
@@ -98,10 +108,17 @@ class StageActor:
             reader.close()
             if self.ring is not None:
                 self.ring.close()
+            for end in (ipc_in, ipc_out):
+                if end is not None:
+                    end.close()
 
-    def _loop(self, up, reader: ShmReader) -> None:
+    def _loop(self, up, reader: ShmReader, ipc_in: IpcIn | None = None, ipc_out: IpcOut | None = None) -> None:
         while True:
             header, arrays, _, recv_s = wire.recv(up, reader)
+            if ipc_in is not None and "ipc" in header:  # the residual stream is in this stage's device ring
+                t = time.perf_counter()
+                arrays = ipc_in.unpack(header, arrays)
+                recv_s += time.perf_counter() - t
             t0 = time.perf_counter()
             kind = header["kind"]
             try:
@@ -117,6 +134,8 @@ class StageActor:
             if kind == "run" or header["kind"] == "error":
                 header.setdefault("compute_s", []).append(time.perf_counter() - t0)
             t1 = time.perf_counter()
+            if ipc_out is not None:  # the output device to device, on the stream that computed it
+                header, arrays, _ = ipc_out.pack(header, arrays)
             wire.send(self.down, header | {"hop_s": header.get("hop_s", 0.0) + recv_s + self._send_s}, arrays,
                       self.ring)
             reader.release()  # the input (read in place from a shared-memory ring) is done with
