@@ -148,14 +148,14 @@ def oracle_hits(prompts: Sequence[Sequence[int]], block: int, capacity_blocks: i
     return out
 
 
-def prompt_builder():
+def prompt_builder(model: str | None = None):
     """The gateway's own templating and tokenizer (gateway/ingress.py), so token counts match the server's."""
     from gateway.openai_types import Message
     from gateway.prompt import PromptBuilder
     from workers.protocol.model import load_model_info, load_tokenizer
 
-    info = load_model_info(None)
-    builder = PromptBuilder(load_tokenizer(None), architecture=info.architecture, bos_token_id=info.bos_token_id,
+    info = load_model_info(model)
+    builder = PromptBuilder(load_tokenizer(model), architecture=info.architecture, bos_token_id=info.bos_token_id,
                             add_bos=info.add_bos, template=info.chat_template)
     return lambda msgs: builder.chat([Message(role=m["role"], content=m["content"]) for m in msgs]).ids
 
@@ -329,12 +329,14 @@ def server_config(args, strategy: str, port: int, log_dir: Path) -> Path:
     cfg = {
         "server": {"port": port},
         "workers": {"backend": "cupy", "count": args.workers,
-                    "engine": {"max_num_seqs": args.max_num_seqs, "kv_blocks": args.kv_blocks,
+                    "engine": {"device": args.device, "max_num_seqs": args.max_num_seqs, "kv_blocks": args.kv_blocks,
                                "block_size": args.block_size, "speculation": False}},
         "routing": {"strategy": strategy},
         "keys": {"file": str(log_dir / f"keys-{strategy}.json")},  # open on loopback: no key store of the user's
         "telemetry": {"log_level": "WARNING"},
     }
+    if args.model:
+        cfg["model"] = {"path": args.model}
     path = log_dir / f"pulse-{strategy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -463,6 +465,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--sessions", type=int, default=TraceSpec.sessions)
     ap.add_argument("--turns", type=int, default=TraceSpec.turns)
     ap.add_argument("--system-words", type=int, default=TraceSpec.system_words)
+    ap.add_argument("--tool-words", type=int, nargs=2, default=TraceSpec.tool_words, metavar=("MIN", "MAX"),
+                    help="words of tool output each turn adds (an agent's context grows by this)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                    help="the engine workers' device (cuda: every server's workers share the box's GPUs)")
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model)")
     ap.add_argument("--edit-prob", type=float, default=TraceSpec.edit_prob)
     ap.add_argument("--seed", type=int, default=TraceSpec.seed)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
@@ -474,7 +481,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     protocol.add_arguments(ap, RESULTS)
     args = ap.parse_args(argv)
     args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
-                           edit_prob=args.edit_prob, seed=args.seed)
+                           tool_words=tuple(args.tool_words), edit_prob=args.edit_prob, seed=args.seed)
     return args
 
 
@@ -482,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-routing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
-    encode, counter = prompt_builder(), itertools.count()
+    encode, counter = prompt_builder(args.model), itertools.count()
     with owned_processes() as procs:
         if args.one_at_a_time:
             starts: list = []

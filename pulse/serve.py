@@ -7,6 +7,7 @@ they run, and the local Ray instance), leaving no processes behind.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -22,13 +23,25 @@ def worker_count(config: PulseConfig, gpus: float) -> int:
     return config.workers.count or max(1, int(gpus))
 
 
+def gpu_share(workers: int, gpus: float) -> float:
+    """The GPU fraction each worker reserves: one GPU each when there are enough; else workers share GPUs
+    evenly (4 workers on 1 GPU take 0.25 each), so Ray still places each on a GPU and sets its
+    CUDA_VISIBLE_DEVICES. The share is 1 / ceil(workers per GPU), so whole groups fit on every GPU (3 workers
+    on 2 GPUs take 0.5: a share of 2/3 would leave the third unplaceable)."""
+    if gpus <= 0:
+        return 0
+    if gpus >= workers:
+        return 1
+    return 1 / math.ceil(workers / int(gpus)) if gpus >= 1 else gpus / workers
+
+
 def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> tuple[list, list[str]]:
     import ray
 
     from workers.actor import WorkerActor
 
     n = worker_count(config, gpus)
-    per_worker_gpu = 1 if gpus >= n and gpus > 0 else 0
+    per_worker_gpu = gpu_share(n, gpus)
     engine = config.workers.engine
     if per_worker_gpu and config.workers.backend == "cupy" and (engine.pipeline_stages > 1 or engine.stages):
         per_worker_gpu = 0.01  # the driver keeps embeddings + head; its stage actors reserve the GPUs (workers/pipeline)

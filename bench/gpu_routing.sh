@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The routing comparison (issue 6) on the H200 test machine: four `pulse serve` of 4 CuPy engine workers each,
+# all sharing the one GPU (0.25 of it per worker), replaying an agent trace. The machine has no Ray and no
+# network, so Ray, Ray Serve and Pulse's other dependencies come as wheels: stage them with
+#
+#   ../shared/tools/device-pack --wheels "ray==2.60.0 ... (the whole resolved set but numpy)"
+#
+# (a copy of device-pack that also accepts manylinux_2_31 wheels, for llguidance), carry the stages one per
+# call, the last one with .devcache (the derived tokenizer), then in the same warm machine:
+#
+#   bash bench/gpu_routing.sh [bench.routing arguments...]      # results in $OUT/routing_results.tgz
+#
+# Default arguments: an agent trace with long contexts (a ~2k-token system prompt, tool output of 300-900
+# words a turn, 10 turns: ~2-9k-token prompts) and KV for about three final contexts per worker, as the CPU
+# run sizes it (BENCHMARKS.md, routing).
+set -u
+home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+model=$home/model/gemma-3-270m-q4_k_m.gguf
+res=/tmp/routing-results
+mkdir -p "$res"
+export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+# the derived tokenizer/info: the model's cache key is path + size + mtime, so pin the mtime they were made under
+touch -d @1700000000 "$model"
+mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+python3 -c 'import ray, ray.serve, cupy; print("ray", ray.__version__, "cupy", cupy.__version__)' || exit 3
+args=("$@")
+if [[ ${#args[@]} -eq 0 ]]; then
+  args=(--sessions 8 --turns 10 --system-words 1500 --tool-words 300 900 --kv-blocks 1536 --max-num-seqs 8
+        --max-tokens 4 --repeats 5 --warmup 1 --stagger 2 --start-timeout 240)
+fi
+( while sleep 20; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; done ) \
+  > "$res/nvidia-smi.log" 2>&1 &
+watch=$!
+timeout "${BENCH_TIMEOUT_S:-520}" python3 -m bench.routing --device cuda --model "$model" --out "$res" --quiet \
+  "${args[@]}" 2>&1 | tail -40
+echo "bench rc=${PIPESTATUS[0]}"
+kill $watch 2>/dev/null
+python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+tail -3 "$res/nvidia-smi.log"
+tar czf "${OUT:-/tmp}/routing_results.tgz" -C "$res" .
