@@ -9,13 +9,17 @@ on a GPU, decode steps as CUDA graphs), `pipe-bB` (N stages, one micro-batch per
 step's end), `pipe1-bB` (N stages, no micro-batching: the stages take turns), `pipex-bB` (cross-step
 pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each in the ring at once) and
 `pipetcp-bB` (as `pipe`, arrays over the loopback sockets instead of shared memory; the others use shared
-memory when the stages share the host, as serving does).
+memory when the stages share the host); on a GPU also `pipe1ipc-bB` and `pipeipc-bB` (as `pipe1` and `pipe`,
+the residual stream device to device through CUDA IPC, workers/pipeline/cuda_ipc.py, as serving does by
+default on one host). The same stages serve every configuration, rewired onto each one's transport.
 Each run submits B distinct prompts, greedy, and times decode only (from the step after every sequence has
 its first token to the last token).
 Metrics: aggregate decode tok/s, ms per decode step (decode time / tokens each sequence decoded: with
 cross-step pipelining one engine call finishes one group, so calls are not steps), the pipeline's transfer
 cost per token (send + receive at every hop, from PipelineStats) and bytes per token, and `identical` (1
-when the run's tokens equal the single-stage engine's for the same batch). The notes give the batch-1 per-token overhead (pipe minus
+when the run's tokens equal the single-stage engine's for the same batch), `ipc_share` (the share of the
+run's hops that went through CUDA IPC: 1 for the `ipc` rows when no message fell back to host memory). The
+notes give the batch-1 per-token overhead (pipe minus
 single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 
 `--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
@@ -59,7 +63,7 @@ def build(args, info, weights):
     n_layers = info.hparams[f"{info.architecture}.block_count"]
     pipe, _ = create_pipelined_engine(
         info, weights, stages_plan=stage_plan(n_layers, [], args.stages, args.device), device=args.device,
-        micro_batches=args.stages, model_path=str(info.path), launcher=args.launcher, **kw)
+        micro_batches=args.stages, model_path=str(info.path), launcher=args.launcher, cuda_ipc=False, **kw)
     return {"single": single, "pipe": pipe}
 
 
@@ -90,14 +94,14 @@ def measures(args, engines, info, tok):
     reference: dict[int, list] = {}
     counter = iter(range(10**9))
 
-    def make(name: str, batch: int, micro_batches: int, groups: int = 0, shm: bool = True):
+    def make(name: str, batch: int, micro_batches: int, groups: int = 0, transport: str = "shm"):
         engine = engines["single" if name == "single" else "pipe"]
 
         async def measure():
             if name != "single":
                 engine.model.micro_batches, engine.groups = micro_batches, groups
-                if engine.model.shm != shm:  # same stages, wired over the other transport (KV kept)
-                    engine.model.rewire(engine.pipeline_actors, shm)
+                if engine.model.mode != transport:  # same stages, wired over the other transport (KV kept)
+                    engine.model.rewire(engine.pipeline_actors, transport != "tcp", transport == "ipc")
                 before = copy.deepcopy(engine.model.stats.as_dict())
             metrics, toks = run_once(engine, prompts(info, tok, batch), args.tokens, f"{name}{next(counter)}")
             if name == "single":
@@ -113,6 +117,8 @@ def measures(args, engines, info, tok):
                                               - before["head_s"]) / steps
                 metrics["transfer_ms"] = 1e3 * (after["transfer_s"] - before["transfer_s"]) / steps
                 metrics["bytes_per_token"] = (after["bytes"] - before["bytes"]) / n
+                hops = (after["messages"] - before["messages"]) * (after["stages"] + 1)
+                metrics["ipc_share"] = (after["ipc_hops"] - before["ipc_hops"]) / max(hops, 1)
                 if batch in reference:
                     metrics["identical"] = float(toks == reference[batch])
             return metrics
@@ -125,7 +131,10 @@ def measures(args, engines, info, tok):
         out[f"pipe-b{b}"] = make("pipe", b, args.stages)
         out[f"pipe1-b{b}"] = make("pipe1", b, 1)
         out[f"pipex-b{b}"] = make("pipex", b, args.stages, args.stages)
-        out[f"pipetcp-b{b}"] = make("pipetcp", b, args.stages, shm=False)
+        out[f"pipetcp-b{b}"] = make("pipetcp", b, args.stages, transport="tcp")
+        if args.device == "cuda" and engines["pipe"].model.ipc_hops[0]:  # CUDA IPC planned for this placement
+            out[f"pipe1ipc-b{b}"] = make("pipe1ipc", b, 1, transport="ipc")
+            out[f"pipeipc-b{b}"] = make("pipeipc", b, args.stages, transport="ipc")
     return out
 
 
@@ -136,10 +145,18 @@ def notes(summary: dict, batches: list[int]) -> str:
     if s and p:
         lines.append(f"Per-token overhead at batch {b1}: {p['ms_per_step']['median'] - s['ms_per_step']['median']:.3f} "
                      f"ms per step (pipe {p['ms_per_step']['median']:.3f} vs single {s['ms_per_step']['median']:.3f}).")
-    s, p = summary.get(f"single-b{bn}"), summary.get(f"pipe-b{bn}")
-    if s and p:
-        ratio = p["tok_s"]["median"] / s["tok_s"]["median"]
-        lines.append(f"Aggregate at batch {bn}: pipe / single = {ratio:.2f} (goal >= 0.8: {'met' if ratio >= 0.8 else 'missed'}).")
+    s = summary.get(f"single-b{bn}")
+    for name in ("pipe", "pipe1", "pipeipc", "pipe1ipc"):
+        p = summary.get(f"{name}-b{bn}")
+        if s and p:
+            ratio = p["tok_s"]["median"] / s["tok_s"]["median"]
+            lines.append(f"Aggregate at batch {bn}: {name} / single = {ratio:.2f} "
+                         f"(goal >= 0.8: {'met' if ratio >= 0.8 else 'missed'}).")
+    for name in ("pipe1", "pipe1ipc"):
+        s, p = summary.get(f"single-b{b1}"), summary.get(f"{name}-b{b1}")
+        if s and p:
+            lines.append(f"Per-token overhead at batch {b1}, {name}: "
+                         f"{p['ms_per_step']['median'] - s['ms_per_step']['median']:.3f} ms per step.")
     return "\n".join(lines)
 
 
@@ -265,7 +282,7 @@ def main(argv=None) -> int:
         close_pipeline(engines["pipe"])
     summary = protocol.summarize(records)
     metrics = ["tok_s", "ms_per_step", "stages_ms", "driver_ms", "transfer_ms", "transfer_us_per_token",
-               "bytes_per_token", "identical"]
+               "bytes_per_token", "ipc_share", "identical"]
     table = protocol.markdown_table(summary, metrics)
     doc = protocol.result_document("pipeline", records, summary, vars(args) | {"out": str(args.out)}, started, machine)
     note = notes(summary, args.batches)

@@ -1,7 +1,7 @@
 """Two pipeline stages sharing one GPU against the single-stage GPU engine: identical greedy tokens on the
 real model (prompts from test_gemma3_gpu.py, one past the 512-token sliding window), micro-batched decode,
-the transfer visible in the pipeline's stats; cross-step pipelining and the TCP transport give the same
-tokens; a killed stage process is rebuilt and the requests that had no output yet are served. Stages start as Ray actors where Ray is installed, else as
+every hop device to device through CUDA IPC (the default on one host) and visible in the pipeline's stats;
+cross-step pipelining, the shared-memory and the TCP transports give the same tokens; a killed stage process is rebuilt and the requests that had no output yet are served. Stages start as Ray actors where Ray is installed, else as
 plain processes (the same StageActor; the GPU benchmark machine has no Ray)."""
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def test_two_stages_on_one_gpu_give_the_single_stage_greedy_tokens(engines):
     for i in range(len(PROMPTS)):
         assert got[i] == want[i], f"prompt {i}"
     stats = pipe.model.stats.as_dict()
-    assert stats["stages"] == 2 and stats["transport"] == "shm"  # one host: arrays through shared memory
+    assert stats["stages"] == 2 and stats["transport"] == "cuda_ipc"  # one host, CUDA at every end
+    # every message made all three hops (driver -> stage 0 -> stage 1 -> driver) through CUDA IPC
+    assert stats["messages"] > 0 and stats["ipc_hops"] == 3 * stats["messages"] and stats["ipc_fallbacks"] == 0
     assert stats["bytes_per_token"] > 640 * 4 and all(s > 0 for s in stats["stage_compute_s"])
     print("pipeline stats:", stats)
 
@@ -82,11 +84,32 @@ def test_cross_step_pipelining_and_the_tcp_transport_keep_the_tokens(engines):
         assert generate(pipe, ids, 16) == want
     finally:
         pipe.groups = 0
-    pipe.model.rewire(pipe.pipeline_actors, shm=False)
+    for shm, name in ((False, "tcp-loopback"), (True, "shm")):  # the host transports, same stages
+        pipe.model.rewire(pipe.pipeline_actors, shm=shm)
+        try:
+            hops = pipe.model.stats.ipc_hops
+            assert generate(pipe, ids, 16) == want and pipe.model.stats.transport == name
+            assert pipe.model.stats.ipc_hops == hops  # nothing went through CUDA IPC
+        finally:
+            pipe.model.rewire(pipe.pipeline_actors, shm=True, ipc=True)
+    assert pipe.model.stats.transport == "cuda_ipc"
+
+
+def test_cuda_ipc_with_one_and_with_several_micro_batches_in_flight(engines):
+    """pipe1 / pipe / cross-step over CUDA IPC: more messages in the ring at once, slots reused many times."""
+    info, tok, single, pipe = engines
+    ids = [[info.bos_token_id] + tok.encode(f"{t} ({i})").ids for i, t in enumerate(PROMPTS * 2)][:8]
+    want = generate(single, ids, 24)
+    before = pipe.model.stats.as_dict()
     try:
-        assert generate(pipe, ids, 16) == want and pipe.model.stats.transport == "tcp-loopback"
+        for mb, groups in ((1, 0), (2, 0), (2, 2)):
+            pipe.model.micro_batches, pipe.groups = mb, groups
+            assert generate(pipe, ids, 24) == want, (mb, groups)
     finally:
-        pipe.model.rewire(pipe.pipeline_actors, shm=True)
+        pipe.model.micro_batches, pipe.groups = 2, 0
+    after = pipe.model.stats.as_dict()
+    messages = after["messages"] - before["messages"]
+    assert after["ipc_hops"] - before["ipc_hops"] == 3 * messages and after["ipc_fallbacks"] == 0
 
 
 def test_a_killed_stage_is_rebuilt_on_the_gpu(engines):

@@ -11,6 +11,7 @@ The parts, by file:
 - stage.py    StageActor: a Ray actor owning a range of layers and their KV, serving a socket loop
 - wire.py     the activation transport: length-prefixed msgpack header + raw arrays over TCP
 - shm.py      same-host hops: the arrays through a shared-memory ring, the socket as doorbell
+- cuda_ipc.py same-host hops between CUDA processes: the residual stream through a device ring (CUDA IPC)
 - layers.py   the NumPy layer range and the driver's ends (embeddings, final norm, tied head)
 - gpu.py      the same on a GPU, from the single-stage GPU model's kernels
 docs/PIPELINE.md has the design, the measured per-token transfer cost, and the Thor + desktop plan.
