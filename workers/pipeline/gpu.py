@@ -93,6 +93,7 @@ class StageGraphs(DecodeGraphs):
         self.layers = layers
         self.x_in = cp.zeros((g, hidden), cp.float32)
         self.zeros = cp.zeros((g, hidden), cp.float32)
+        self.loaded = None  # recorded after each step's input copy from the pinned host buffer
         super().__init__(layers.model, layers.kv, layers.block_size, sizes, max_blocks)
 
     def _step(self, g: int) -> None:
@@ -108,7 +109,14 @@ class StageGraphs(DecodeGraphs):
         g = self.size_for(n)
         if g is None or meta.block_tables.shape[1] > self.max_blocks:
             return None
+        if self.loaded is not None:
+            # `load` rewrites the pinned host buffer the previous step's copy reads; with the output kept on
+            # the device (CUDA IPC) nothing else waits for that step, so wait here for its copy (not its work)
+            self.loaded.synchronize()
         self.load(np.zeros(n, np.int32), meta.seq_lens - 1, meta.block_tables, g, self.local_tables_of(batch))
+        if self.loaded is None:
+            self.loaded = cp.cuda.Event(disable_timing=True)
+        self.loaded.record()
         if isinstance(x, cp.ndarray):  # from a CUDA IPC hop: already on this device
             self.x_in[:n] = x
         else:
