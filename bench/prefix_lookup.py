@@ -9,6 +9,8 @@ Configurations (interleaved per bench/protocol.py), each timing `--calls` calls 
                    one membership check per matched block per worker; kept to compare with in one run
 - redis-sets-probe@B/W: the previous layout with exact=False (probes, dense checks of only the first 16
                    blocks and the bracket's last <= 16)
+- <layout>-republish@1024/8: the deepest worker publishes its 1,024 held blocks again (what the
+                   llama-server backend does per request): the write cost of each layout, 16k x 8 only
 - decide@W:        policy.routing.choose_worker with W workers and prefix hits
 Metrics: p50/p99 µs per call; for redis also Redis's own time per call (INFO commandstats, µs).
 After the run: Redis memory per layout and shape (MEMORY USAGE summed over each namespace's keys).
@@ -88,6 +90,11 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
             index = make(make_client(server.url, 1.0), f"{prefix}{blocks}:")
             closers.append(index)
             out[f"{name}@{blocks}/{workers}"] = redis_measure(index, blocks, workers, calls, server)
+            if (blocks, workers) == SHAPES[-1] and name != "redis-sets-probe":  # same writes as redis-sets
+                index = make(make_client(server.url, 1.0), f"{prefix}{blocks}u:")
+                closers.append(index)
+                out[f"{name}-republish@{blocks}/{workers}"] = redis_measure(index, blocks, workers, calls, server,
+                                                                            republish=True)
     for workers in (4, 8):
         loads = [WorkerLoad(f"w{i}", running=i % 5, waiting=i % 3, slots=4, kv_blocks_total=1000,
                             kv_blocks_used=100 * i) for i in range(workers)]
@@ -103,8 +110,10 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
     return out, closers
 
 
-def redis_measure(red: RedisPrefixIndex, blocks: int, workers: int, calls: int, server: RedisServer):
-    """Fill once (first call), then time lookups; Redis's own time per call from INFO commandstats."""
+def redis_measure(red: RedisPrefixIndex, blocks: int, workers: int, calls: int, server: RedisServer,
+                  republish: bool = False):
+    """Fill once (first call), then time lookups (or the last worker publishing its blocks again); Redis's
+    own time per call from INFO commandstats."""
     state: dict = {}
 
     async def measure():
@@ -115,7 +124,10 @@ def redis_measure(red: RedisPrefixIndex, blocks: int, workers: int, calls: int, 
                 f"w{w}": blocks * (w + 1) // workers for w in range(workers)}, "wrong lookup answer"
         side = make_client(server.url, 1.0)
         await side.config_resetstat()
-        m = await timed(lambda: red.longest_prefix(state["h"]), calls)
+        if republish:
+            m = await timed(lambda: red.publish(f"w{workers - 1}", state["h"]), calls)
+        else:
+            m = await timed(lambda: red.longest_prefix(state["h"]), calls)
         m["redis_server_us"] = (await side.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"]
         await side.aclose()
         return m

@@ -93,22 +93,22 @@ async def test_a_lapsed_worker_is_ignored_then_cleaned_and_its_slot_reused_clean
 
 async def test_cleaning_is_bounded_per_write_and_slots_wait_for_it(redis_server, side):  # noqa: F811
     index = make_index(redis_server.url)
-    long = chain_hashes(list(range(16 * 1500)), 16)
+    long = chain_hashes(list(range(16 * 4500)), 16)  # past one 4,000-hash chunk
     try:
         await index.publish("v", long, "gpu")
         await index.publish("v", long[:300], "host")
         await index.publish("w", long[:10])
         await lapse(side, "v")
-        await index.publish("w", long[:11])  # retires v's slot 0, cleans CLEAN_BUDGET of its 1,800 entries
+        await index.publish("w", long[:11])  # retires v's slot 0, cleans CLEAN_BUDGET of its 4,800 entries
         assert await dirty(side) == {0}
         left = await side.scard("t:pfx2:held:0:gpu") + await side.scard("t:pfx2:held:0:host")
-        assert left == 1800 - CLEAN_BUDGET
+        assert left == 4800 - CLEAN_BUDGET
         await index.publish("x", long[:3])
         assert (await slots(side))["x"] == 2  # slot 0 is not reused while it still has bits
         assert await index.longest_prefix(long) == {"w": 11, "x": 3}
         await check_invariant(side)
-        for _ in range(-(-1800 // CLEAN_BUDGET)):
-            await index.evict("w", [long[1499]])  # any write cleans a little
+        for _ in range(-(-4800 // CLEAN_BUDGET)):
+            await index.evict("w", [long[4499]])  # any write cleans a little
         assert await dirty(side) == set()
         assert await side.exists("t:pfx2:held:0:gpu", "t:pfx2:held:0:host") == 0
         await check_invariant(side)
