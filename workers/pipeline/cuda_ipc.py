@@ -332,7 +332,15 @@ class IpcOut:
         if not self.opened:
             self._open()
         _peer_alive(self.sock)  # never copy into the memory of a receiver that is gone
-        where = self.sender.put(x) if self.sender is not None else None
+        where = None
+        if self.sender is not None:
+            try:
+                where = self.sender.put(x)
+            except Exception as exc:  # a copy this pair of devices refuses after all: host memory from now on
+                if isinstance(exc, OSError):
+                    raise
+                log.warning("CUDA IPC copy failed (%s): this hop moves activations through host memory", exc)
+                self.close()
         if where is None:
             return header | {"ipc_fb": header.get("ipc_fb", 0) + 1}, {**arrays, "x": x.get()}, 0
         rest = {k: v for k, v in arrays.items() if k != "x"}
