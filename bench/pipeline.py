@@ -23,6 +23,7 @@ notes give the batch-1 per-token overhead (pipe minus
 single, ms per step) and the aggregate ratio at the largest batch (goal >= 0.8).
 
 `--launcher process` starts the stages as plain processes instead of Ray actors (a box without Ray).
+`--only single pipe1 pipe1ipc` runs only those configurations (each at every batch).
 
 `--wire` measures the transport alone: a ping-pong between this process and an echo process over one
 loopback hop, `tcp` (arrays on the socket) against `shm` (arrays through the shared-memory ring, header
@@ -135,6 +136,8 @@ def measures(args, engines, info, tok):
         if args.device == "cuda" and engines["pipe"].model.ipc_hops[0]:  # CUDA IPC planned for this placement
             out[f"pipe1ipc-b{b}"] = make("pipe1ipc", b, 1, transport="ipc")
             out[f"pipeipc-b{b}"] = make("pipeipc", b, args.stages, transport="ipc")
+    if args.only:  # a subset of the configurations, by name without the batch
+        out = {k: v for k, v in out.items() if k.rsplit("-b", 1)[0] in args.only}
     return out
 
 
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--launcher", default="ray", choices=["ray", "process"])
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path")
     ap.add_argument("--wire", action="store_true", help="measure the transport alone (tcp vs shm ping-pong)")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="run only these configurations (e.g. single pipe1 pipe1ipc pipe pipeipc); default: all")
     protocol.add_arguments(ap, Path("bench/results"))
     args = ap.parse_args(argv)
     if args.wire:
