@@ -71,3 +71,25 @@ def test_a_worker_process_holds_no_private_copy_of_the_layers():
         out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True)
     anon_mb = int(out.stdout.split()[-1]) / 1024
     assert anon_mb < 150, f"{anon_mb:.0f} MB anonymous memory after building the model"
+
+
+_LOADER = """
+import sys
+from workers.cupy.weights import load_weights
+from workers.protocol.model import load_model_info
+print(len(load_weights(load_model_info(None).path, sys.argv[1])))
+"""
+
+
+def test_workers_starting_together_on_a_cold_cache_all_load(tmp_path):
+    """Found on the H200 (16 workers of 4 servers starting at once): every process dequantized into the same
+    temporary file names and all but one failed their rename. Now one dequantizes under a lock and the rest
+    wait for it; all three processes here load the same tensors."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _LOADER, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    counts = {out.split()[-1] for out, _ in outs}
+    assert len(counts) == 1 and int(counts.pop()) > 100
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -12,6 +12,7 @@ array once under `derived/` in the same cache folder and memory-maps it, so ever
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -55,12 +56,12 @@ def _dequantize_all(gguf_path: Path, out: Path) -> None:
         # gguf lists dims fastest-first; dequantize already returns row-major (out, in) for matrices
         shape = [int(d) for d in reversed(t.shape)]
         arr = arr.reshape(shape)
-        tmp = out / (_file_name(t.name) + ".tmp")
+        tmp = out / f"{_file_name(t.name)}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             np.save(f, arr)
         tmp.replace(out / _file_name(t.name))
         manifest[t.name] = {"shape": shape, "type": t.tensor_type.name}
-    tmp = out / (_MANIFEST + ".tmp")
+    tmp = out / f"{_MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"format": CACHE_FORMAT, "tensors": manifest}))
     tmp.replace(out / _MANIFEST)
 
@@ -94,7 +95,12 @@ def load_weights(gguf_path: str | os.PathLike, cache_dir: str | None = None) -> 
     path = Path(gguf_path)
     out = weights_cache_dir(path, cache_dir)
     if not (out / _MANIFEST).exists():
-        _dequantize_all(path, out)
+        # Workers starting together on a cold cache (4 servers x 4 workers on one box): one dequantizes
+        # while the others wait on the lock, then all read its files.
+        with open(out / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / _MANIFEST).exists():
+                _dequantize_all(path, out)
     manifest = json.loads((out / _MANIFEST).read_text())["tensors"]
     weights = WeightMap({name: np.load(out / _file_name(name), mmap_mode="r") for name in manifest}, out)
     log.info("loaded %d tensors from %s", len(weights), out)
