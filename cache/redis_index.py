@@ -21,6 +21,12 @@ set layout's 4,608 membership checks (bench/prefix_lookup.py runs both). Expiry 
 worker's liveness key expires `ttl_s` after its last publish, evict or snapshot; lookups then ignore its
 bits, and later writes clean them out (a bounded number per call) before its slot is reused. A lapsed
 worker's entries do not come back with its next publish (it gets a fresh slot).
+Migration: the layout lives under NS pfx2: (a version in the key names). The per-worker-set layout's keys
+(NS pfx:w:...) carry TTLs and lapse on their own; its NS pfx:workers set and NS pfx:epoch token (two
+small keys) stay until deleted by hand. Gateways and workers on different layouts do not see each other's
+entries: such a gateway routes on load alone until both sides run the same version.
+Cost: a lookup walks each group of 10 slots that has a live worker, so past 10 live workers (or after
+restarts that leave slots being cleaned) it costs one walk per group.
 Standalone Redis only: scripts touch keys they compute (no Redis Cluster).
 """
 from __future__ import annotations
