@@ -39,7 +39,8 @@ from policy.types import RouteRequest, WorkerLoad
 from tests.conftest_redis import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = [(64, 4), (512, 4), (1024, 8)]  # (prompt blocks, workers): 1k, 8k, 16k tokens
+# (prompt blocks, workers): 1k, 8k, 16k tokens; 16 workers fill two 10-slot groups of the per-block layout
+SHAPES = [(64, 4), (512, 4), (1024, 8), (1024, 16)]
 METRICS = ["p50_us", "p99_us", "redis_server_us"]
 LAYOUTS = {  # config prefix -> (namespace prefix, index factory)
     "redis": ("b", lambda client, ns: RedisPrefixIndex(client, namespace=ns, timeout_s=1.0)),
@@ -87,11 +88,11 @@ def measures(server: RedisServer, calls: int) -> tuple[dict, list]:
 
         out[f"memory@{blocks}/{workers}"] = mem_measure
         for name, (prefix, make) in LAYOUTS.items():
-            index = make(make_client(server.url, 1.0), f"{prefix}{blocks}:")
+            index = make(make_client(server.url, 1.0), f"{prefix}{blocks}x{workers}:")
             closers.append(index)
             out[f"{name}@{blocks}/{workers}"] = redis_measure(index, blocks, workers, calls, server)
-            if (blocks, workers) == SHAPES[-1] and name != "redis-sets-probe":  # same writes as redis-sets
-                index = make(make_client(server.url, 1.0), f"{prefix}{blocks}u:")
+            if (blocks, workers) == (1024, 8) and name != "redis-sets-probe":  # same writes as redis-sets
+                index = make(make_client(server.url, 1.0), f"{prefix}{blocks}x{workers}u:")
                 closers.append(index)
                 out[f"{name}-republish@{blocks}/{workers}"] = redis_measure(index, blocks, workers, calls, server,
                                                                             republish=True)
@@ -142,7 +143,7 @@ async def memory_by_namespace(url: str) -> dict[str, int]:
         for name, (prefix, _) in LAYOUTS.items():
             for blocks, workers in SHAPES:
                 total = 0
-                async for key in side.scan_iter(match=f"{prefix}{blocks}:*", count=1000):
+                async for key in side.scan_iter(match=f"{prefix}{blocks}x{workers}:*", count=1000):
                     total += await side.memory_usage(key, samples=0) or 0
                 out[f"{name}@{blocks}/{workers}"] = total
     finally:
