@@ -80,12 +80,13 @@ def test_an_evicted_local_window_shortens_the_hit_to_where_the_window_is_cached(
     a = Sequence("a", list(range(40)), max_tokens=1)
     prefill_and_decode(blocks, a, chunk=4, decode=0)
     blocks.free(a)
-    # d re-reads a's first 4 blocks (its window there), so they become the most recently used local blocks
-    d = Sequence("d", list(range(16)) + [7] * 5, max_tokens=1)
+    # d re-reads a's first 4 blocks (its window there; 18 tokens, so none slides out), so they become the
+    # most recently used local blocks; a's blocks 4 and 5 slid out while a ran, so they go first
+    d = Sequence("d", list(range(16)) + [7] * 2, max_tokens=1)
     prefill_and_decode(blocks, d, chunk=8, decode=0)
     blocks.free(d)
     blocks.flush_events()
-    # a filler takes every free local block and the 6 least recently used cached ones: a's blocks 4..9
+    # a filler takes every free local block and 6 cached ones: a's slid-out blocks 4, 5, then its window 6..9
     filler = Sequence("f", [5] * 4, max_tokens=1)
     blocks.allocate(filler, (len(blocks.local.free) + 6) * BS)
     blocks.flush_events()
@@ -181,3 +182,18 @@ def test_reported_usage_is_the_fuller_pool_share():
         compute(blocks, s, 8)  # 2 blocks in each pool per sequence
     assert blocks.num_used == 8 and blocks.num_local_used == 8
     assert blocks.pressure_used == 80  # 8 of 10 local blocks: 80% of the 100 reported
+
+
+def test_a_finished_conversation_keeps_its_last_window_through_a_long_prefill():
+    """Found on the H200 routing replay: blocks sliding out of a long prompt's window went to the young end
+    of the local LRU, so one long prefill flushed every finished sequence's last window and the next turn of
+    each conversation found no usable prefix. Slid-out blocks now go first."""
+    blocks = two_pools(num_local=20)  # the window's 5 blocks a running sequence needs, and a little more
+    a = Sequence("a", list(range(40)), max_tokens=1)  # a conversation's turn
+    prefill_and_decode(blocks, a, chunk=4, decode=0)
+    blocks.free(a)
+    long = Sequence("l", [7] * 200, max_tokens=1)  # another agent's long prompt: 50 blocks slide through
+    prefill_and_decode(blocks, long, chunk=8, decode=0)
+    blocks.free(long)
+    nxt = Sequence("a2", list(range(40)) + [99, 98], max_tokens=1)  # the conversation's next turn
+    assert blocks.match_prefix(nxt) == 40

@@ -13,7 +13,8 @@ Two pools for models with sliding-window layers (Gemma 3: 5 of 6 layers see only
   behind the next position to compute, plus the blocks this step writes. A sequence's local table has the
   same logical index as its block table (block i = positions [i*bs, (i+1)*bs)), with -1 where a block slid
   out, so the attention kernels index both tables the same way. A block that slides out goes back to the
-  local pool's LRU with its hash: a later request can still use it until it is reclaimed.
+  local pool with its hash, among the blocks reclaimed first (oldest first): a later request can still use
+  it until then, but it goes before the last window of any finished sequence, which later turns hit.
 The same hash chain keys both pools. A prefix hit of L tokens needs global blocks for [0, L) and local
 blocks for the window the first new query reads, [L - window + 1, L); match_prefix takes the longest L with
 both. Block events describe the global pool: a global eviction ends a chain for good, while a local
@@ -114,12 +115,13 @@ class _Pool:
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing reusable
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # unreferenced but hashed; oldest first
+        self.cold: OrderedDict[int, None] = OrderedDict()  # the same, reclaimed before any of cached_free
         self.by_hash: dict[int, int] = {}
         self.evicted: list[int] = []
 
     @property
     def num_free(self) -> int:
-        return len(self.free) + len(self.cached_free)
+        return len(self.free) + len(self.cold) + len(self.cached_free)
 
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
         bid = self.by_hash.get(h)
@@ -129,6 +131,7 @@ class _Pool:
         block = self.blocks[bid]
         if block.ref_count == 0:
             self.cached_free.pop(bid, None)
+            self.cold.pop(bid, None)
         block.ref_count += 1
 
     def register(self, bid: int, h: int, tokens: tuple[int, ...]) -> bool:
@@ -140,12 +143,14 @@ class _Pool:
         self.by_hash[h] = bid
         return True
 
-    def release(self, bid: int) -> None:
+    def release(self, bid: int, cold: bool = False) -> None:
+        """Drop one reference. A hashed block stays cached: at the LRU's young end, or with `cold` among
+        the blocks reclaimed first, oldest first (a local block that slid out of a running window)."""
         block = self.blocks[bid]
         block.ref_count -= 1
         if block.ref_count == 0:
             if block.hash is not None:
-                self.cached_free[bid] = None
+                (self.cold if cold else self.cached_free)[bid] = None
             else:
                 self.free.append(bid)
 
@@ -153,7 +158,7 @@ class _Pool:
         if self.free:
             bid = self.free.popleft()
         else:
-            bid, _ = self.cached_free.popitem(last=False)
+            bid, _ = (self.cold or self.cached_free).popitem(last=False)
             block = self.blocks[bid]
             del self.by_hash[block.hash]
             self.evicted.append(block.hash)
@@ -278,12 +283,15 @@ class BlockManager:
             self._slide(seq)
 
     def _slide(self, seq: Sequence) -> None:
-        """Release local blocks before the window of the next position to compute (oldest first, so the
-        LRU reclaims them before the tail a continuing request would hit)."""
+        """Release local blocks before the window of the next position to compute, cold: the LRU reclaims
+        them before any finished sequence's last window (the tail a continuing request hits). Released at
+        the young end instead, one long prefill (a 9k-token agent prompt slides ~540 blocks out) flushed
+        every cached window from a local pool sized for the running batch: on the H200 routing replay
+        later turns of a conversation then found no usable prefix at all."""
         end = min(self.first_needed(seq.num_computed), len(seq.local_table))
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
-                self.local.release(seq.local_table[i])
+                self.local.release(seq.local_table[i], cold=True)
                 seq.local_table[i] = -1
         seq.local_start = max(seq.local_start, end)
 
