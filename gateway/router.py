@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +48,9 @@ class PrefixRouter:
         self.cfg = cfg
         self.sessions_max = sessions_max
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> last worker id
+        # conversations seen within cfg.session_idle_s, oldest first, and how many each worker holds
+        self._live: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session id -> (worker id, last seen)
+        self._live_count: Counter[str] = Counter()
         self._seq = itertools.count()
         self.hashes = SessionHashes(hash_cache_bytes)
 
@@ -57,7 +60,8 @@ class PrefixRouter:
         hits, index_ok, hashes, cpu_s = await self._hits(workers, gen.prompt_ids, gen.session_id)
         lookup_s = time.perf_counter() - t0
         c0 = time.thread_time()  # CPU, not wall: on a busy box the thread may lose the core mid-decision
-        loads = [load_of(w) for w in workers]
+        self._expire_live(time.monotonic())
+        loads = [load_of(w, self._live_count[w.worker_id]) for w in workers]
         session = gen.session_id
         request = RouteRequest(
             prompt_tokens=len(gen.prompt_ids),
@@ -95,11 +99,32 @@ class PrefixRouter:
         self._sessions.move_to_end(session)
         if len(self._sessions) > self.sessions_max:
             self._sessions.popitem(last=False)
+        before = self._live.pop(session, None)
+        if before is not None:
+            self._live_count[before[0]] -= 1
+        self._live[session] = (worker_id, time.monotonic())
+        self._live_count[worker_id] += 1
+        if len(self._live) > self.sessions_max:
+            self._drop_live()
+
+    def _expire_live(self, now: float) -> None:
+        """Forget conversations idle longer than session_idle_s (oldest first: O(1) per expired one)."""
+        while self._live and now - next(iter(self._live.values()))[1] > self.cfg.session_idle_s:
+            self._drop_live()
+
+    def _drop_live(self) -> None:
+        _, (worker_id, _) = self._live.popitem(last=False)
+        self._live_count[worker_id] -= 1
+
+    def live_sessions(self) -> dict[str, int]:
+        """Live conversations per worker (for tests and /pulse/workers)."""
+        return {w: n for w, n in self._live_count.items() if n > 0}
 
 
-def load_of(w) -> WorkerLoad:
+def load_of(w, sessions: int = 0) -> WorkerLoad:
     """A WorkerState as routing sees it: its last BackendStats plus what this gateway knows fresher than the
-    last stats poll: requests in flight there and the uncached prompt tokens still waiting for prefill."""
+    last stats poll: requests in flight there, the uncached prompt tokens still waiting for prefill, and the
+    live conversations it placed there."""
     return WorkerLoad.from_stats(
         w.worker_id,
         msgspec.structs.asdict(w.stats),
@@ -107,6 +132,7 @@ def load_of(w) -> WorkerLoad:
         pending_prefill_tokens=getattr(w, "pending_prefill", 0),
         healthy=w.healthy and w.stats.healthy,
         block_size=w.info.block_size,
+        sessions=sessions,
     )
 
 

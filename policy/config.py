@@ -207,6 +207,14 @@ class RoutingConfig(PulseModel):
     session_bonus_tokens: float = Field(
         256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
     )
+    session_spread: int = Field(
+        1, ge=0, description="A new x-session-id conversation goes only to workers holding at most this many more "
+        "live conversations than the emptiest one: a shared system prompt cannot pile every agent onto the worker "
+        "that cached it first, where their growing contexts would then evict each other."
+    )
+    session_idle_s: float = Field(
+        300.0, gt=0, description="A conversation counts as live on its worker this long after its last request."
+    )
     block_ttl_s: float = Field(
         600.0, gt=0, description="A worker's prefix-index entries lapse this long after its last publish, evict or "
         "snapshot (safety net behind evictions; workers snapshot well inside it)."

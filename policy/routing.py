@@ -19,7 +19,11 @@ prefill it saves. Guards against the known failure modes of prefix routers:
   request onto the worker that cached it first: the holder's load beyond that spreads the prefix
   (the other worker then caches it too);
 - a miss (no worker holds `min_prefix_blocks`) goes to the least-loaded worker;
-- `x-session-id` affinity is a cost credit, so it yields like any other preference under overload.
+- `x-session-id` affinity is a cost credit, so it yields like any other preference under overload;
+- a new conversation (an `x-session-id` with no worker yet) may go only to workers holding at most
+  `session_spread` more live conversations than the emptiest: momentary occupancy cannot see that agents
+  pinned to one worker will all come back with longer contexts (on the H200 replay every new session
+  followed the shared system prompt to its first holder: 68 of 80 requests on one worker of four).
 Baselines for the benchmark: round_robin, least_loaded, session_sticky (never yields except to health).
 """
 from __future__ import annotations
@@ -110,6 +114,9 @@ def _pulse(healthy: Sequence[WorkerLoad], hits: Mapping[str, int], request: Rout
     floor = min(w.occupancy for w in healthy)
     # A worker with a free slot is never "overloaded": its cached prefix is a real saving.
     eligible = [w for w in healthy if w.active < w.slots or w.occupancy <= floor + cfg.spread_threshold + 1e-9]
+    if request.session_id and request.session_worker not in cost:  # a new conversation: balance them
+        fewest = min(w.sessions for w in eligible)
+        eligible = [w for w in eligible if w.sessions <= fewest + cfg.session_spread]
     chosen = best if best in eligible else min(eligible, key=key)
     reason = _pulse_reason(best, chosen, cached, session)
     c = chosen.worker_id

@@ -43,6 +43,7 @@ class WorkerLoad:
     inflight: int = 0  # requests this gateway has outstanding at the worker (fresher than stats)
     pending_prefill_tokens: int = 0  # prompt tokens sent there that have not produced a first token yet
     reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
+    sessions: int = 0  # x-session-id conversations this gateway placed there, seen within session_idle_s
 
     @classmethod
     def from_stats(cls, worker_id: str, stats: Mapping[str, Any], **extra: Any) -> WorkerLoad:

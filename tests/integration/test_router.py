@@ -1,6 +1,8 @@
 """gateway.router: the real index (in-process and Redis) feeding the pure routing decision."""
 from __future__ import annotations
 
+import asyncio
+
 from cache.hashing import chain_hashes
 from cache.memory_index import MemoryPrefixIndex
 from cache.redis_guard import make_client
@@ -97,3 +99,20 @@ async def test_queued_prefill_at_the_holder_counts_against_it():
     b.pending_prefill = 200
     r = await router.choose([a, b], gen(PROMPT))
     assert (r.worker.worker_id, r.reason, r.cached_tokens) == ("b", "prefix_hit", 1600)
+
+
+async def test_live_conversations_are_counted_per_worker_and_expire():
+    """The router counts each worker's live x-session-id conversations (what spreads new ones) and forgets
+    them after session_idle_s; a conversation that moves is counted once, where it went."""
+    router = PrefixRouter(MemoryPrefixIndex(), RoutingConfig(session_idle_s=0.3))
+    workers = [worker("a"), worker("b")]
+    picks = [(await router.choose(workers, gen(list(range(i * 100, i * 100 + 50)), f"s{i}"))).worker.worker_id
+             for i in range(4)]
+    assert sorted(router.live_sessions().values()) == [2, 2] and sorted(picks) == ["a", "a", "b", "b"]
+    workers[0] = worker("a", running=4, slots=1)  # s0's worker is overloaded: its next turn moves
+    r = await router.choose(workers, gen(list(range(50)), "s0"))
+    assert sum(router.live_sessions().values()) == 4
+    assert router.live_sessions().get(r.worker.worker_id, 0) >= 1
+    await asyncio.sleep(0.35)
+    await router.choose(workers, gen(list(range(7000, 7050)), "late"))
+    assert router.live_sessions() == {"b": 1}

@@ -221,3 +221,20 @@ def test_decision_time_is_well_under_a_millisecond():
     times.sort()
     p99 = times[int(len(times) * 0.99)] / 1e9
     assert p99 < 1e-3, f"p99 {p99 * 1e6:.0f} µs"  # typical: ~30 µs
+
+
+def test_new_conversations_spread_past_a_shared_system_prompt():
+    """Every idle worker could serve; 'a' holds the shared system prompt and already has 2 live conversations:
+    a new conversation goes elsewhere (it would pin itself there and grow), an existing one stays."""
+    workers = [W("a", sessions=2), W("b", sessions=0), W("c", sessions=1)]
+    hits = {"a": 100}  # 1,600 tokens of system prompt
+    new = choose_worker(workers, hits, R(2000, session="new"), PULSE)
+    assert new.worker_id in {"b", "c"} and new.reason == "hot_prefix_spread"
+    assert choose_worker(workers, {}, R(2000, session="new"), PULSE).worker_id != "a"  # no prefix either
+    old = choose_worker(workers, hits, R(2000, session="old", session_worker="a"), PULSE)
+    assert old.worker_id == "a"  # a conversation already there keeps its worker
+    assert choose_worker(workers, hits, R(2000), PULSE).worker_id == "a"  # no session id: prefix wins
+    within = [W("a", sessions=1), W("b", sessions=0)]  # within session_spread (1): the prefix still wins
+    assert choose_worker(within, hits, R(2000, session="new"), PULSE).worker_id == "a"
+    tight = RoutingConfig(session_spread=0)
+    assert choose_worker(within, hits, R(2000, session="new"), tight).worker_id == "b"
