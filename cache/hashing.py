@@ -20,10 +20,16 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """Hashes of every full block of `tokens`, in order; a trailing partial block is not hashed."""
+    """Hashes of every full block of `tokens`, in order; a trailing partial block is not hashed.
+
+    The same hashes as block_hash block by block, with the tokens packed once: the router hashes every new
+    conversation's whole prompt, and one struct.pack per block made that ~3.5 us a block."""
+    n = (len(tokens) // block_size) * block_size
+    raw = struct.pack(f"<{n}I", *tokens[:n])
+    step, blake, q = 4 * block_size, hashlib.blake2b, struct.Struct("<q").pack
     hashes: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size])
+    for start in range(0, 4 * n, step):
+        parent = int.from_bytes(blake(q(parent) + raw[start : start + step], digest_size=8).digest(), "little") >> 1
         hashes.append(parent)
     return hashes
 
