@@ -197,3 +197,17 @@ def test_a_finished_conversation_keeps_its_last_window_through_a_long_prefill():
     blocks.free(long)
     nxt = Sequence("a2", list(range(40)) + [99, 98], max_tokens=1)  # the conversation's next turn
     assert blocks.match_prefix(nxt) == 40
+
+
+def test_the_window_behind_the_prompt_end_outlives_a_long_prefill():
+    """A next turn that resends the prompt but not the generated tokens (the agent rewrote its answer) hits
+    at the prompt's last full block; that window slid out while the answer was decoded and must stay young."""
+    blocks = two_pools(num_local=24)
+    a = Sequence("a", list(range(42)), max_tokens=20)  # prompt 42 tokens: last full block ends at 40
+    prefill_and_decode(blocks, a, chunk=4, decode=20)  # decoding slides the prompt-end window out
+    blocks.free(a)
+    long = Sequence("l", [7] * 200, max_tokens=1)
+    prefill_and_decode(blocks, long, chunk=8, decode=0)
+    blocks.free(long)
+    nxt = Sequence("a2", list(range(42)) + [99, 98, 97], max_tokens=1)  # same prompt, another answer
+    assert blocks.match_prefix(nxt) == 40

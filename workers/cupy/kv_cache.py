@@ -289,9 +289,13 @@ class BlockManager:
         every cached window from a local pool sized for the running batch: on the H200 routing replay
         later turns of a conversation then found no usable prefix at all."""
         end = min(self.first_needed(seq.num_computed), len(seq.local_table))
+        # The window behind the prompt's last full block stays young: the next turn of a conversation
+        # resends this prompt and hits there when it does not carry the generated text token for token
+        # (an agent's edited answer, a tool call re-rendered by the client).
+        keep = self.first_needed(seq.num_prompt_tokens // self.block_size * self.block_size)
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
-                self.local.release(seq.local_table[i], cold=True)
+                self.local.release(seq.local_table[i], cold=i < keep)
                 seq.local_table[i] = -1
         seq.local_start = max(seq.local_start, end)
 
