@@ -208,12 +208,13 @@ class RoutingConfig(PulseModel):
         256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
     )
     session_spread: int = Field(
-        1, ge=0, description="A new x-session-id conversation goes only to workers holding at most this many more "
+        0, ge=0, description="A new x-session-id conversation goes only to workers holding at most this many more "
         "live conversations than the emptiest one: a shared system prompt cannot pile every agent onto the worker "
         "that cached it first, where their growing contexts would then evict each other."
     )
     session_idle_s: float = Field(
-        300.0, gt=0, description="A conversation counts as live on its worker this long after its last request."
+        30.0, gt=0, description="A conversation counts as live on its worker this long after its last request "
+        "(only for placing new ones: an idle conversation keeps its worker)."
     )
     block_ttl_s: float = Field(
         600.0, gt=0, description="A worker's prefix-index entries lapse this long after its last publish, evict or "

@@ -234,7 +234,7 @@ def test_new_conversations_spread_past_a_shared_system_prompt():
     old = choose_worker(workers, hits, R(2000, session="old", session_worker="a"), PULSE)
     assert old.worker_id == "a"  # a conversation already there keeps its worker
     assert choose_worker(workers, hits, R(2000), PULSE).worker_id == "a"  # no session id: prefix wins
-    within = [W("a", sessions=1), W("b", sessions=0)]  # within session_spread (1): the prefix still wins
-    assert choose_worker(within, hits, R(2000, session="new"), PULSE).worker_id == "a"
-    tight = RoutingConfig(session_spread=0)
-    assert choose_worker(within, hits, R(2000, session="new"), tight).worker_id == "b"
+    within = [W("a", sessions=1), W("b", sessions=0)]
+    assert choose_worker(within, hits, R(2000, session="new"), PULSE).worker_id == "b"  # spread 0: strict
+    loose = RoutingConfig(session_spread=1)  # within the spread the prefix still wins
+    assert choose_worker(within, hits, R(2000, session="new"), loose).worker_id == "a"
