@@ -12,6 +12,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.errors import APIError
 from gateway.openai_types import Message, text_of
+from gateway.piece_tokens import DEFAULT_CACHE_BYTES, PieceTokenizer
 
 GEMMA_TEMPLATE = """\
 {%- set ns = namespace(prefix='') -%}
@@ -50,12 +51,16 @@ class Prompt:
 class PromptBuilder:
     """Renders chat messages with the model's template and tokenizes with the model's vocabulary."""
 
-    def __init__(self, tokenizer, *, architecture: str, bos_token_id: int | None, add_bos: bool, template: str | None):
+    def __init__(self, tokenizer, *, architecture: str, bos_token_id: int | None, add_bos: bool, template: str | None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self._tok = tokenizer
         self._bos = bos_token_id if add_bos else None
         source = template or FAMILY_TEMPLATES.get(architecture, CHATML_TEMPLATE)
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
         self._template = env.from_string(source)
+        # the template's turn markers split a prompt into pieces tokenized once each (gateway/piece_tokens.py)
+        markers = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content in source]
+        self.pieces = PieceTokenizer(tokenizer, markers, max_bytes=cache_bytes)
         # an embedded template that takes `tools` gets them as data; others get gateway/tools.py's instructions
         self.native_tools = template is not None and "tools" in template
 
@@ -77,11 +82,11 @@ class PromptBuilder:
         return Prompt(None, list(prompt))
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self._bos] if self._bos is not None else []) + ids
+        ids = self.pieces.encode(text)
+        return ([self._bos] + ids) if self._bos is not None else ids
 
     def encode_plain(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.pieces.encode(text)
 
 
 def _row(m: Message) -> dict:
