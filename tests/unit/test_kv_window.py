@@ -36,10 +36,11 @@ def prefill_and_decode(blocks: BlockManager, seq: Sequence, chunk: int, decode: 
 
 def test_the_budget_is_split_at_equal_bytes_and_small_budgets_keep_one_size():
     plan = plan_pools(2048, 16, GEMMA, 512, max_num_seqs=8, max_step_tokens=2048)
-    assert plan.num_local == 8 * (32 + 3) + 128 and plan.window == 512
+    # the running batch's windows and chunk, plus as many finished sequences' last windows
+    assert plan.num_local == 8 * (32 + 3) + 128 + 8 * (32 + 1) and plan.window == 512
     layer_blocks = plan.num_global * 3 + plan.num_local * 15
     assert 2048 * 18 - 3 < layer_blocks <= 2048 * 18  # the same bytes as 2048 blocks of all 18 layers
-    assert plan.num_global * 16 > 5 * 2048 * 16  # over 5x the context tokens in the same memory
+    assert plan.num_global * 16 > 4 * 2048 * 16  # over 4x the context tokens in the same memory
     small = plan_pools(128, 16, GEMMA, 512, max_num_seqs=4, max_step_tokens=2048)
     assert (small.num_global, small.num_local) == (128, 128)  # the batch's windows would not fit in less
     assert plan_pools(2048, 16, GEMMA, 512, 8, 2048, enabled=False).num_local is None
@@ -211,3 +212,26 @@ def test_the_window_behind_the_prompt_end_outlives_a_long_prefill():
     blocks.free(long)
     nxt = Sequence("a2", list(range(42)) + [99, 98, 97], max_tokens=1)  # same prompt, another answer
     assert blocks.match_prefix(nxt) == 40
+
+
+def test_a_full_batch_leaves_the_finished_conversations_windows_cached():
+    """The planned local pool holds a full running batch and, besides it, the last windows of as many
+    finished sequences: max_num_seqs conversations each find their prefix after a full batch of others ran."""
+    plan = plan_pools(4096, BS, GEMMA, WINDOW, max_num_seqs=4, max_step_tokens=16)
+    blocks = BlockManager.from_plan(plan, BS)
+    convs = [Sequence(f"c{i}", [i * 1000 + t for t in range(40)], max_tokens=1) for i in range(4)]
+    for seq in convs:
+        prefill_and_decode(blocks, seq, chunk=8, decode=0)
+        blocks.free(seq)
+    batch = [Sequence(f"o{i}", [50_000 + i * 1000 + t for t in range(60)], max_tokens=1) for i in range(4)]
+    for seq in batch:  # a full batch of other agents' prompts, running at once
+        blocks.match_prefix(seq)
+    for _ in range(60 // 4):
+        for seq in batch:
+            compute(blocks, seq, 4)
+    for seq in batch:
+        blocks.free(seq)
+    for i in range(4):
+        nxt = Sequence(f"n{i}", [i * 1000 + t for t in range(40)] + [7, 7], max_tokens=1)
+        assert blocks.match_prefix(nxt) == 40, i
+        blocks.free(nxt)

@@ -79,15 +79,21 @@ class PoolPlan:
 def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, max_num_seqs: int,
                max_step_tokens: int, enabled: bool = True) -> PoolPlan:
     """Split a budget of `num_blocks` all-layer blocks (the profile's KV tokens / block size) into the two
-    pools, at the same bytes. The local pool gets what the running batch can hold at once: per sequence
-    the window plus the blocks its position and a chunk straddle (window/bs + 3), plus the step's token
-    budget; every block it does not need goes to the global pool, n_layers/n_global times over."""
+    pools, at the same bytes. The local pool gets what the running batch can hold at once (per sequence
+    the window plus the blocks its position and a chunk straddle, window/bs + 3, plus the step's token
+    budget) and as many finished sequences' last windows again (window/bs + 1 each), which is what a
+    prefix hit needs besides the global blocks; every other block goes to the global pool, n_layers /
+    n_global times over. Sized for the running batch alone, a full batch reclaimed every cached window;
+    on the H200 routing replay even conversations pinned to one worker recomputed 2,000 tokens a later
+    turn against an oracle cache's 1,262 (that run predates this sizing; not re-measured with it)."""
     is_global = list(is_global)
     n_layers, n_global = len(is_global), sum(is_global)
     if not enabled or not window or n_global in (0, n_layers):
         return PoolPlan(num_blocks, None, None)
     step = max(max_step_tokens, max_num_seqs)
-    local = min(num_blocks, max_num_seqs * (-(-window // block_size) + 3) + -(-step // block_size))
+    per_window = -(-window // block_size)
+    running = max_num_seqs * (per_window + 3) + -(-step // block_size)
+    local = min(num_blocks, running + max_num_seqs * (per_window + 1))
     glob = (num_blocks * n_layers - local * (n_layers - n_global)) // n_global
     return PoolPlan(glob, local, window)
 
