@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model)")
     args = ap.parse_args(argv)
-    info, tok = load_model_info(), load_tokenizer()
+    info, tok = load_model_info(args.model), load_tokenizer(args.model)
     builder = PromptBuilder(tok, architecture=info.architecture, bos_token_id=info.bos_token_id,
                             add_bos=info.add_bos, template=info.chat_template)
     cuts, turns = builder.pieces.cuts, conversation(args.turns)
