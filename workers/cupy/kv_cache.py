@@ -81,9 +81,9 @@ def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, 
     """Split a budget of `num_blocks` all-layer blocks (the profile's KV tokens / block size) into the two
     pools, at the same bytes. The local pool gets what the running batch can hold at once (per sequence
     the window plus the blocks its position and a chunk straddle, window/bs + 3, plus the step's token
-    budget) and as many finished sequences' last windows again (window/bs + 1 each), which is what a
-    prefix hit needs besides the global blocks; every other block goes to the global pool, n_layers /
-    n_global times over. Sized for the running batch alone, a full batch reclaimed every cached window;
+    budget) and as many finished sequences' last windows again (window/bs + 1 each; at most a third of what
+    the running batch leaves), which is what a prefix hit needs besides the global blocks; every other block
+    goes to the global pool, n_layers / n_global times over. Sized for the running batch alone, a full batch reclaimed every cached window;
     on the H200 routing replay even conversations pinned to one worker recomputed 2,000 tokens a later
     turn against an oracle cache's 1,262 (that run predates this sizing; not re-measured with it)."""
     is_global = list(is_global)
@@ -93,7 +93,10 @@ def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, 
     step = max(max_step_tokens, max_num_seqs)
     per_window = -(-window // block_size)
     running = max_num_seqs * (per_window + 3) + -(-step // block_size)
-    local = min(num_blocks, running + max_num_seqs * (per_window + 1))
+    # finished windows take at most a third of what the running batch leaves: a local block costs the global
+    # pool n_layers_local / n_global blocks (5 for Gemma 3), so a small budget must not trade its context away
+    finished = min(max_num_seqs * (per_window + 1), max(0, num_blocks - running) // 3)
+    local = min(num_blocks, running + finished)
     glob = (num_blocks * n_layers - local * (n_layers - n_global)) // n_global
     return PoolPlan(glob, local, window)
 
