@@ -235,3 +235,17 @@ def test_a_full_batch_leaves_the_finished_conversations_windows_cached():
         nxt = Sequence(f"n{i}", [i * 1000 + t for t in range(40)] + [7, 7], max_tokens=1)
         assert blocks.match_prefix(nxt) == 40, i
         blocks.free(nxt)
+
+
+def test_a_long_answer_sliding_out_does_not_crowd_out_other_windows():
+    """Only the window behind the prompt's end is kept young; generated text sliding out of a long answer goes
+    cold like a long prompt's, so it cannot push a finished conversation's last window out."""
+    blocks = two_pools(num_local=22)
+    a = Sequence("a", list(range(40)), max_tokens=1)
+    prefill_and_decode(blocks, a, chunk=4, decode=0)
+    blocks.free(a)
+    chatty = Sequence("c", [5000 + t for t in range(8)], max_tokens=300)  # a short prompt, a long answer
+    prefill_and_decode(blocks, chatty, chunk=8, decode=200)
+    blocks.free(chatty)
+    nxt = Sequence("a2", list(range(40)) + [99, 98], max_tokens=1)
+    assert blocks.match_prefix(nxt) == 40

@@ -83,9 +83,10 @@ def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, 
     the window plus the blocks its position and a chunk straddle, window/bs + 3, plus the step's token
     budget) and as many finished sequences' last windows again (window/bs + 1 each; at most a third of what
     the running batch leaves), which is what a prefix hit needs besides the global blocks; every other block
-    goes to the global pool, n_layers / n_global times over. Sized for the running batch alone, a full batch reclaimed every cached window;
-    on the H200 routing replay even conversations pinned to one worker recomputed 2,000 tokens a later
-    turn against an oracle cache's 1,262 (that run predates this sizing; not re-measured with it)."""
+    goes to the global pool, n_layers / n_global times over. Sized for the running batch alone, a full
+    batch reclaimed every cached window; on the H200 routing replay even conversations pinned to one worker
+    recomputed 2,000 tokens a later turn against an oracle cache's 1,262 (that run predates this sizing;
+    not re-measured with it)."""
     is_global = list(is_global)
     n_layers, n_global = len(is_global), sum(is_global)
     if not enabled or not window or n_global in (0, n_layers):
@@ -301,10 +302,12 @@ class BlockManager:
         # The window behind the prompt's last full block stays young: the next turn of a conversation
         # resends this prompt and hits there when it does not carry the generated text token for token
         # (an agent's edited answer, a tool call re-rendered by the client).
-        keep = self.first_needed(seq.num_prompt_tokens // self.block_size * self.block_size)
+        # Blocks past it (generated text sliding out of a long answer) go cold like the rest.
+        prompt_end = seq.num_prompt_tokens // self.block_size
+        keep = range(self.first_needed(prompt_end * self.block_size), prompt_end)
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
-                self.local.release(seq.local_table[i], cold=i < keep)
+                self.local.release(seq.local_table[i], cold=i not in keep)
                 seq.local_table[i] = -1
         seq.local_start = max(seq.local_start, end)
 
