@@ -3,10 +3,10 @@
 # all sharing the one GPU (0.25 of it per worker), replaying an agent trace. The machine has no Ray and no
 # network, so Ray, Ray Serve and Pulse's other dependencies come as wheels: stage them with
 #
-#   ../shared/tools/device-pack --wheels "ray==2.60.0 ... (the whole resolved set but numpy)"
+#   bash bench/gpu_stage_ray.sh      # the model + the whole resolved dependency set but numpy, ~7 stages
 #
-# (a copy of device-pack that also accepts manylinux_2_31 wheels, for llguidance), carry the stages one per
-# call, the last one with .devcache (the derived tokenizer), then in the same warm machine:
+# carry the stages one per call, back to back, the last one with .devcache (the derived tokenizer), and in
+# that last call:
 #
 #   bash bench/gpu_routing.sh [bench.routing arguments...]      # results in $OUT/routing_results.tgz
 #
