@@ -14,8 +14,15 @@ ROOT_HASH = 0
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one full block given its parent's hash (ROOT_HASH for the first block): a 63-bit int."""
-    payload = struct.pack(f"<q{len(tokens)}I", parent, *tokens)
-    # blake2b is in the standard library, stable across processes and machines (unlike hash()), and fast.
+    return _digest(_PARENT.pack(parent) + struct.pack(f"<{len(tokens)}I", *tokens))
+
+
+_PARENT = struct.Struct("<q")
+
+
+def _digest(payload: bytes) -> int:
+    """The hash of a block's payload: its parent's hash (8 bytes) then its token ids (4 bytes each).
+    blake2b is in the standard library, stable across processes and machines (unlike hash()), and fast."""
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") >> 1
 
 
@@ -26,10 +33,10 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH
     conversation's whole prompt, and one struct.pack per block made that ~3.5 us a block."""
     n = (len(tokens) // block_size) * block_size
     raw = struct.pack(f"<{n}I", *tokens[:n])
-    step, blake, q = 4 * block_size, hashlib.blake2b, struct.Struct("<q").pack
+    step, pack = 4 * block_size, _PARENT.pack
     hashes: list[int] = []
     for start in range(0, 4 * n, step):
-        parent = int.from_bytes(blake(q(parent) + raw[start : start + step], digest_size=8).digest(), "little") >> 1
+        parent = _digest(pack(parent) + raw[start : start + step])
         hashes.append(parent)
     return hashes
 
