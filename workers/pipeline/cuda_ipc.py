@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -350,6 +351,18 @@ class IpcOut:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+
+
+def recv(sock, reader, ipc_in: IpcIn | None):
+    """wire.recv, then the residual stream from this end's device ring when the header says it is there:
+    (header, arrays, bytes, seconds), both counting the slot's copy."""
+    header, arrays, n, recv_s = wire.recv(sock, reader)
+    if ipc_in is not None and "ipc" in header:
+        t0 = time.perf_counter()
+        arrays = ipc_in.unpack(header, arrays)
+        recv_s += time.perf_counter() - t0
+        n += int(arrays["x"].nbytes)
+    return header, arrays, n, recv_s
 
 
 def _peer_alive(sock) -> None:

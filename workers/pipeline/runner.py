@@ -285,12 +285,7 @@ class PipelinedModel:
 
     def _receive(self) -> dict:
         try:
-            header, arrays, n, recv_s = wire.recv(self.down, self._reader)
-            if self._ipc_in is not None and "ipc" in header:  # the rows are in this driver's device ring
-                t0 = time.perf_counter()
-                arrays = self._ipc_in.unpack(header, arrays)
-                recv_s += time.perf_counter() - t0
-                n += int(arrays["x"].nbytes)
+            header, arrays, n, recv_s = cuda_ipc.recv(self.down, self._reader, self._ipc_in)
         except OSError as exc:  # ConnectionError included: a stage (or its process) is gone
             raise StageLost(f"a pipeline stage was lost: {exc}") from exc
         self.stats.bytes += n

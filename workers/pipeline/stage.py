@@ -18,7 +18,7 @@ import os
 import threading
 import time
 
-from workers.pipeline import wire
+from workers.pipeline import cuda_ipc, wire
 from workers.pipeline.cuda_ipc import IpcIn, IpcOut
 from workers.pipeline.shm import ShmReader, ShmRing
 
@@ -114,11 +114,7 @@ class StageActor:
 
     def _loop(self, up, reader: ShmReader, ipc_in: IpcIn | None = None, ipc_out: IpcOut | None = None) -> None:
         while True:
-            header, arrays, _, recv_s = wire.recv(up, reader)
-            if ipc_in is not None and "ipc" in header:  # the residual stream is in this stage's device ring
-                t = time.perf_counter()
-                arrays = ipc_in.unpack(header, arrays)
-                recv_s += time.perf_counter() - t
+            header, arrays, _, recv_s = cuda_ipc.recv(up, reader, ipc_in)
             t0 = time.perf_counter()
             kind = header["kind"]
             try:
