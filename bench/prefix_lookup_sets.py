@@ -161,8 +161,6 @@ return out
 """
 
 
-
-
 class SetsPrefixIndex(RedisPrefixIndex):
     """RedisPrefixIndex on the per-worker-set layout (same client, guard and epoch handling)."""
 
