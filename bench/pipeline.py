@@ -12,6 +12,8 @@ pipelining, workers/pipeline/overlap.py: N groups of sequences, one step of each
 memory when the stages share the host); on a GPU also `pipe1ipc-bB` and `pipeipc-bB` (as `pipe1` and `pipe`,
 the residual stream device to device through CUDA IPC, workers/pipeline/cuda_ipc.py, as serving does by
 default on one host). The same stages serve every configuration, rewired onto each one's transport.
+`--stage-gpus 0,1` starts a second set of stages, stage i on GPU i of the list, and runs the pipelined
+configurations on it too, prefixed `gpus` (`gpuspipe1-bB`, `gpuspipeipc-bB`, ...), in the same run.
 Each run submits B distinct prompts, greedy, and times decode only (from the step after every sequence has
 its first token to the last token).
 Metrics: aggregate decode tok/s, ms per decode step (decode time / tokens each sequence decoded: with
@@ -33,8 +35,9 @@ the model: µs per hop (round trip / 2) and MB/s of payload.
 from __future__ import annotations
 
 import argparse
-import copy
 import asyncio
+import copy
+import os
 import time
 from pathlib import Path
 
@@ -62,10 +65,20 @@ def build(args, info, weights):
 
         single = create_gpu_engine(info, weights, **kw)
     n_layers = info.hparams[f"{info.architecture}.block_count"]
-    pipe, _ = create_pipelined_engine(
-        info, weights, stages_plan=stage_plan(n_layers, [], args.stages, args.device), device=args.device,
-        micro_batches=args.stages, model_path=str(info.path), launcher=args.launcher, cuda_ipc=False, **kw)
-    return {"single": single, "pipe": pipe}
+
+    def pipelined():
+        return create_pipelined_engine(
+            info, weights, stages_plan=stage_plan(n_layers, [], args.stages, args.device), device=args.device,
+            micro_batches=args.stages, model_path=str(info.path), launcher=args.launcher, cuda_ipc=False, **kw)[0]
+
+    engines = {"single": single, "pipe": pipelined()}
+    if args.stage_gpus:  # the same stages again, stage i on GPU i of the list (the plain-process launcher's
+        os.environ["PULSE_STAGE_GPUS"] = args.stage_gpus  # placement; the driver stays on this process's GPU)
+        try:
+            engines["gpus"] = pipelined()
+        finally:
+            del os.environ["PULSE_STAGE_GPUS"]
+    return engines
 
 
 def prompts(info, tok, batch: int) -> list[list[int]]:
@@ -96,7 +109,7 @@ def measures(args, engines, info, tok):
     counter = iter(range(10**9))
 
     def make(name: str, batch: int, micro_batches: int, groups: int = 0, transport: str = "shm"):
-        engine = engines["single" if name == "single" else "pipe"]
+        engine = engines["single" if name == "single" else "gpus" if name.startswith("gpus") else "pipe"]
 
         async def measure():
             if name != "single":
@@ -136,6 +149,12 @@ def measures(args, engines, info, tok):
         if args.device == "cuda" and engines["pipe"].model.ipc_hops[0]:  # CUDA IPC planned for this placement
             out[f"pipe1ipc-b{b}"] = make("pipe1ipc", b, 1, transport="ipc")
             out[f"pipeipc-b{b}"] = make("pipeipc", b, args.stages, transport="ipc")
+        if "gpus" in engines:  # the stages on --stage-gpus: the same configurations, prefixed `gpus`
+            out[f"gpuspipe1-b{b}"] = make("gpuspipe1", b, 1)
+            out[f"gpuspipe-b{b}"] = make("gpuspipe", b, args.stages)
+            if engines["gpus"].model.ipc_hops[0]:
+                out[f"gpuspipe1ipc-b{b}"] = make("gpuspipe1ipc", b, 1, transport="ipc")
+                out[f"gpuspipeipc-b{b}"] = make("gpuspipeipc", b, args.stages, transport="ipc")
     if args.only:  # a subset of the configurations, by name without the batch
         out = {k: v for k, v in out.items() if k.rsplit("-b", 1)[0] in args.only}
     return out
@@ -149,13 +168,13 @@ def notes(summary: dict, batches: list[int]) -> str:
         lines.append(f"Per-token overhead at batch {b1}: {p['ms_per_step']['median'] - s['ms_per_step']['median']:.3f} "
                      f"ms per step (pipe {p['ms_per_step']['median']:.3f} vs single {s['ms_per_step']['median']:.3f}).")
     s = summary.get(f"single-b{bn}")
-    for name in ("pipe", "pipe1", "pipeipc", "pipe1ipc"):
+    for name in ("pipe", "pipe1", "pipeipc", "pipe1ipc", "gpuspipe", "gpuspipe1", "gpuspipeipc", "gpuspipe1ipc"):
         p = summary.get(f"{name}-b{bn}")
         if s and p:
             ratio = p["tok_s"]["median"] / s["tok_s"]["median"]
             lines.append(f"Aggregate at batch {bn}: {name} / single = {ratio:.2f} "
                          f"(goal >= 0.8: {'met' if ratio >= 0.8 else 'missed'}).")
-    for name in ("pipe1", "pipe1ipc"):
+    for name in ("pipe1", "pipe1ipc", "gpuspipe1", "gpuspipe1ipc"):
         s, p = summary.get(f"single-b{b1}"), summary.get(f"{name}-b{b1}")
         if s and p:
             lines.append(f"Per-token overhead at batch {b1}, {name}: "
@@ -259,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--launcher", default="ray", choices=["ray", "process"])
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path")
     ap.add_argument("--wire", action="store_true", help="measure the transport alone (tcp vs shm ping-pong)")
+    ap.add_argument("--stage-gpus", default="",
+                    help="also run every pipelined configuration with stage i on GPU i of this list (e.g. 0,1; "
+                         "--launcher process): rows prefixed `gpus`")
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only these configurations (e.g. single pipe1 pipe1ipc pipe pipeipc); default: all")
     protocol.add_arguments(ap, Path("bench/results"))
@@ -284,7 +306,9 @@ def main(argv=None) -> int:
         records = asyncio.run(protocol.run(measures(args, engines, info, load_tokenizer(args.model)),
                                            args.repeats, args.warmup, not args.quiet))
     finally:
-        close_pipeline(engines["pipe"])
+        for name in ("pipe", "gpus"):
+            if name in engines:
+                close_pipeline(engines[name])
     summary = protocol.summarize(records)
     metrics = ["tok_s", "ms_per_step", "stages_ms", "driver_ms", "transfer_ms", "transfer_us_per_token",
                "bytes_per_token", "ipc_share", "identical"]
