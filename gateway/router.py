@@ -7,7 +7,8 @@
 Everything here is glue (no policy): hash the prompt's full blocks (cache.hashing.chain_hashes, the
 definition the engine uses; per x-session-id only the blocks new since its last prompt, SessionHashes),
 ask the index once, build a `WorkerLoad` per worker from its last stats
-and this gateway's fresher counts (in flight there, uncached prompt tokens waiting for their prefill), remember which worker each `x-session-id` went to (bounded LRU),
+and this gateway's fresher counts (in flight there, uncached prompt tokens waiting for their prefill there and
+on the other workers of its device), remember which worker each `x-session-id` went to (bounded LRU),
 and call `choose_worker`. When the index is unavailable (Redis down or slow) routing goes on with no
 prefix hits: load and session affinity only, and `index_ok` is False (count it in a metric).
 """
@@ -61,7 +62,8 @@ class PrefixRouter:
         lookup_s = time.perf_counter() - t0
         c0 = time.thread_time()  # CPU, not wall: on a busy box the thread may lose the core mid-decision
         self._expire_live(time.monotonic())
-        loads = [load_of(w, self._live_count[w.worker_id]) for w in workers]
+        shared = shared_pending(workers)
+        loads = [load_of(w, self._live_count[w.worker_id], shared.get(w.worker_id, 0)) for w in workers]
         session = gen.session_id
         request = RouteRequest(
             prompt_tokens=len(gen.prompt_ids),
@@ -121,15 +123,27 @@ class PrefixRouter:
         return {w: n for w, n in self._live_count.items() if n > 0}
 
 
-def load_of(w, sessions: int = 0) -> WorkerLoad:
+def shared_pending(workers: Sequence) -> dict[str, int]:
+    """worker id -> prefill tokens queued on the other workers of its device (same node_id and device_id;
+    workers with no device_id share with nobody)."""
+    per_device: Counter[tuple[str, str]] = Counter()
+    for w in workers:
+        if w.info.device_id:
+            per_device[w.info.node_id, w.info.device_id] += getattr(w, "pending_prefill", 0)
+    return {w.worker_id: per_device[w.info.node_id, w.info.device_id] - getattr(w, "pending_prefill", 0)
+            for w in workers if w.info.device_id}
+
+
+def load_of(w, sessions: int = 0, shared_pending_prefill: int = 0) -> WorkerLoad:
     """A WorkerState as routing sees it: its last BackendStats plus what this gateway knows fresher than the
-    last stats poll: requests in flight there, the uncached prompt tokens still waiting for prefill, and the
-    live conversations it placed there."""
+    last stats poll: requests in flight there, the uncached prompt tokens still waiting for prefill (its own
+    and its device neighbours'), and the live conversations it placed there."""
     return WorkerLoad.from_stats(
         w.worker_id,
         msgspec.structs.asdict(w.stats),
         inflight=w.inflight,
         pending_prefill_tokens=getattr(w, "pending_prefill", 0),
+        shared_pending_prefill_tokens=shared_pending_prefill,
         healthy=w.healthy and w.stats.healthy,
         block_size=w.info.block_size,
         sessions=sessions,

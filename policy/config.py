@@ -204,6 +204,12 @@ class RoutingConfig(PulseModel):
         0.5, ge=0, description="Occupancy (active/slots) by which a worker with no free slot may exceed the "
         "least-loaded one and still get prefix or session traffic; past it the request spreads elsewhere."
     )
+    shared_device_cost: float = Field(
+        1.0, ge=0, description="Weight of the prefill queued on the other workers of the same device (workers "
+        "sharing one GPU, or a box's CPU cores): their prefill takes the same device time slices, so moving a "
+        "conversation from its cache to an idle-looking neighbour saves nothing. 0: each worker's own queue only "
+        "(devices partitioned, e.g. MIG slices)."
+    )
     session_bonus_tokens: float = Field(
         256.0, ge=0, description="Cost credited to an x-session-id's worker (affinity when the index says nothing)."
     )

@@ -9,8 +9,10 @@
 
 The "pulse" strategy scores each worker by a cost in prefill-token equivalents, lowest wins:
 
-    cost = (prompt - cache_weight * cached) + pending prefill + running_cost * running
-           + queue_cost * (requests that would wait for a slot) + KV pressure - session bonus
+    cost = (prompt - cache_weight * cached) + pending prefill
+           + shared_device_cost * (pending prefill of the other workers on its device)
+           + running_cost * running + queue_cost * (requests that would wait for a slot) + KV pressure
+           - session bonus
 
 so a long cached prefix pulls a request to its holder until the holder's queue costs more than the
 prefill it saves. Guards against the known failure modes of prefix routers:
@@ -19,6 +21,10 @@ prefill it saves. Guards against the known failure modes of prefix routers:
   request onto the worker that cached it first: the holder's load beyond that spreads the prefix
   (the other worker then caches it too);
 - a miss (no worker holds `min_prefix_blocks`) goes to the least-loaded worker;
+- workers sharing a device (fractions of one GPU, or a box's CPU cores) are charged each other's queued
+  prefill: the device runs it all in time slices, so a neighbour with nothing queued is not idle, and moving a
+  conversation away from its cache to it only recomputes the context (on the H200 replay, 4 workers to a
+  GPU, 20 of 400 requests left their cache that way);
 - `x-session-id` affinity is a cost credit, so it yields like any other preference under overload;
 - a new conversation (an `x-session-id` with no worker yet) may go only to workers holding at most
   `session_spread` more live conversations than the emptiest: momentary occupancy cannot see that agents
@@ -88,6 +94,7 @@ def _cost(w: WorkerLoad, cached: int, is_session: bool, request: RouteRequest, c
         request.prompt_tokens
         - cfg.cache_weight * cached
         + w.pending_prefill_tokens
+        + cfg.shared_device_cost * w.shared_pending_prefill_tokens
         + cfg.running_cost_tokens * running
         + cfg.queue_cost_tokens * waiting_ahead
         + cfg.kv_pressure_cost_tokens * min(kv_over, 1.0)

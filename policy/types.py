@@ -42,6 +42,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0
     inflight: int = 0  # requests this gateway has outstanding at the worker (fresher than stats)
     pending_prefill_tokens: int = 0  # prompt tokens sent there that have not produced a first token yet
+    shared_pending_prefill_tokens: int = 0  # the same, summed over the other workers on this worker's device
     reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
     sessions: int = 0  # x-session-id conversations this gateway placed there, seen within session_idle_s
 

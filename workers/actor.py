@@ -36,6 +36,29 @@ def detect_device() -> tuple[str, str]:
     return "cpu", "cpu"
 
 
+def device_id(kind: str) -> str:
+    """Which physical device this worker computes on, within its node: the GPU's UUID (a MIG slice reports
+    its own), its PCI address where CuPy gives no UUID, the GPUs Ray gave it where CuPy is missing (a
+    llama-server worker), "cpu" for the node's cores. The gateway charges workers that share one device
+    each other's queued prefill (policy/routing.py)."""
+    if kind == "cuda":
+        try:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            uuid = props.get("uuid")
+            if uuid:
+                return "gpu-" + (uuid.hex() if isinstance(uuid, bytes) else str(uuid))
+            return "pci-{:04x}:{:02x}:{:02x}".format(props.get("pciDomainID", 0), props.get("pciBusID", 0),
+                                                     props.get("pciDeviceID", 0))
+        except Exception:
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and visible not in ("-1", "NoDevFiles"):
+        return "cuda-visible-" + visible
+    return "cpu"
+
+
 def advertised_host(bind: str) -> str:
     """The address other nodes reach this worker at."""
     if bind not in ("0.0.0.0", "::"):
@@ -85,7 +108,8 @@ class WorkerActor:
             stats = self.backend.stats()
             ctx = self.config.model.context_length or min(model.context_length, profile.context_length)
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
-                                    node_id=_node_id(), device=device_name, block_size=stats.block_size,
+                                    node_id=_node_id(), device=device_name, device_id=device_id(kind),
+                                    block_size=stats.block_size,
                                     context_length=ctx)
             log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
             return self.info_

@@ -14,8 +14,9 @@ from tests.conftest_redis import redis_server  # noqa: F401  (fixture)
 from workers.protocol import BackendStats, GenerateRequest, WorkerInfo
 
 
-def worker(wid: str, running: int = 0, slots: int = 4, inflight: int = 0) -> WorkerState:
-    s = WorkerState(WorkerInfo(wid, "http://127.0.0.1:1", "loadtest", block_size=16),
+def worker(wid: str, running: int = 0, slots: int = 4, inflight: int = 0, device_id: str = "") -> WorkerState:
+    s = WorkerState(WorkerInfo(wid, "http://127.0.0.1:1", "loadtest", node_id="n1", device_id=device_id,
+                               block_size=16),
                     BackendStats(running=running, slots=slots, kv_blocks_total=1000, block_size=16))
     s.inflight = inflight
     return s
@@ -99,6 +100,25 @@ async def test_queued_prefill_at_the_holder_counts_against_it():
     b.pending_prefill = 200
     r = await router.choose([a, b], gen(PROMPT))
     assert (r.worker.worker_id, r.reason, r.cached_tokens) == ("b", "prefix_hit", 1600)
+
+
+async def test_workers_sharing_a_device_are_charged_each_others_queued_prefill():
+    """Workers on one GPU (or one box's cores) share its time: a neighbour with nothing queued is not idle
+    while the holder's queued prefill runs on the same device, so the holder keeps the request (above it
+    lost to a worker of its own). Per device: a worker elsewhere is still charged only its own queue."""
+    index = MemoryPrefixIndex()
+    await index.publish("b", chain_hashes(PROMPT[:1600], 16))
+    a, b = worker("a", device_id="gpu-0"), worker("b", inflight=1, device_id="gpu-0")
+    b.pending_prefill = 3000
+    router = PrefixRouter(index, RoutingConfig())
+    r = await router.choose([a, b], gen(PROMPT))
+    assert (r.worker.worker_id, r.reason, r.cached_tokens) == ("b", "prefix_hit", 1600)
+    assert r.decision.cost < 3000 + len(PROMPT)  # b: its own queue, not its own queue counted twice
+    c = worker("c", device_id="gpu-1")
+    r = await router.choose([a, b, c], gen(PROMPT))
+    assert r.worker.worker_id == "c"  # on another GPU, nothing queued: the idle device wins
+    r = await PrefixRouter(index, RoutingConfig(shared_device_cost=0)).choose([a, b], gen(PROMPT))
+    assert r.worker.worker_id == "a"  # a partitioned device (MIG): each worker's own queue only
 
 
 async def test_live_conversations_are_counted_per_worker_and_expire():

@@ -173,6 +173,9 @@ class WorkerInfo(msgspec.Struct):
     backend: str
     node_id: str = ""
     device: str = "cpu"
+    # which physical device it computes on, within its node: a GPU's UUID (a MIG slice has its own), "cpu"
+    # for the node's cores; workers with the same node_id and device_id share that device's time
+    device_id: str = ""
     block_size: int = 16
     context_length: int = 0
 
