@@ -10,6 +10,11 @@
 #
 #   bash bench/gpu_routing.sh [bench.routing arguments...]      # results in $OUT/routing_results.tgz
 #
+# The longer trace (14 turns, ~2-15.6k-token prompts, KV for about three final contexts a worker):
+#
+#   bash bench/gpu_routing.sh --sessions 8 --turns 14 --system-words 1500 --tool-words 500 1100 \
+#       --kv-blocks 3000 --max-num-seqs 8 --max-tokens 4 --repeats 5 --warmup 1 --stagger 2 --start-timeout 240
+#
 # Default arguments: an agent trace with long contexts (a ~2k-token system prompt, tool output of 300-900
 # words a turn, 10 turns: ~2-9k-token prompts) and KV for about three final contexts per worker, as the CPU
 # run sizes it (BENCHMARKS.md, routing).
@@ -32,10 +37,15 @@ fi
 ( while sleep 20; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; done ) \
   > "$res/nvidia-smi.log" 2>&1 &
 watch=$!
+# whether the host's cores are saturated (what the gateway's decision wall time waits on): load and the
+# busiest processes every 20 s
+( while sleep 20; do date +%T; cat /proc/loadavg; ps -eo pcpu,rss,comm --sort=-pcpu | head -12; done ) \
+  > "$res/cpu.log" 2>&1 &
+cpuwatch=$!
 timeout "${BENCH_TIMEOUT_S:-520}" python3 -m bench.routing --device cuda --model "$model" --out "$res" --quiet \
   "${args[@]}" 2>&1 | tail -40
 echo "bench rc=${PIPESTATUS[0]}"
-kill $watch 2>/dev/null
+kill $watch $cpuwatch 2>/dev/null
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
-tail -3 "$res/nvidia-smi.log"
+tail -3 "$res/nvidia-smi.log"; grep -A3 "^[0-9]*:[0-9]*:[0-9]*$" "$res/cpu.log" | tail -8
 tar czf "${OUT:-/tmp}/routing_results.tgz" -C "$res" .

@@ -470,6 +470,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                     help="the engine workers' device (cuda: every server's workers share the box's GPUs)")
     ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model)")
+    ap.add_argument("--think", type=float, nargs=2, default=TraceSpec.think_s, metavar=("MIN", "MAX"),
+                    help="seconds an agent waits before each turn (uniform)")
     ap.add_argument("--edit-prob", type=float, default=TraceSpec.edit_prob)
     ap.add_argument("--seed", type=int, default=TraceSpec.seed)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
@@ -481,7 +483,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     protocol.add_arguments(ap, RESULTS)
     args = ap.parse_args(argv)
     args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
-                           tool_words=tuple(args.tool_words), edit_prob=args.edit_prob, seed=args.seed)
+                           tool_words=tuple(args.tool_words), edit_prob=args.edit_prob, seed=args.seed,
+                           think_s=tuple(args.think))
     return args
 
 
