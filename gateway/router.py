@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from cache.hashing import chain_hashes
+from cache.hashing import ROOT_HASH, chain_hashes, chain_hashes_packed, pack_tokens
 from cache.index import IndexUnavailable, PrefixIndex
 from policy.config import RoutingConfig
 from policy.routing import choose_worker
@@ -168,10 +167,10 @@ class SessionHashes:
     def chain(self, session: str | None, ids: list[int], block_size: int) -> list[int]:
         if not session or self.max_bytes <= 0:
             return chain_hashes(ids, block_size)
-        raw = array("I", ids).tobytes()  # the gateway already checked ids are 32-bit non-negative
+        raw = pack_tokens(ids)  # the gateway already checked ids are 32-bit non-negative
         hashes = self._reuse(session, raw, block_size)
-        done = len(hashes) * block_size
-        hashes += chain_hashes(ids[done:], block_size, hashes[-1]) if hashes else chain_hashes(ids, block_size)
+        done = 4 * len(hashes) * block_size
+        hashes += chain_hashes_packed(raw[done:], block_size, hashes[-1] if hashes else ROOT_HASH)
         self._store(session, block_size, raw[: len(hashes) * block_size * 4], hashes)
         return list(hashes)
 
