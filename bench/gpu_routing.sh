@@ -37,9 +37,9 @@ fi
 ( while sleep 20; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; done ) \
   > "$res/nvidia-smi.log" 2>&1 &
 watch=$!
-# whether the host's cores are saturated (what the gateway's decision wall time waits on): load and the
-# busiest processes every 20 s
-( while sleep 20; do date +%T; cat /proc/loadavg; ps -eo pcpu,rss,comm --sort=-pcpu | head -12; done ) \
+# whether the host's cores are saturated (what the gateway's decision wall time waits on): load, the busiest
+# processes and the CPU counters (/proc/stat's 8th number is steal: time the VM's vCPUs were not run) every 20 s
+( while sleep 20; do date +%T; cat /proc/loadavg; head -1 /proc/stat; ps -eo pcpu,rss,comm --sort=-pcpu | head -12; done ) \
   > "$res/cpu.log" 2>&1 &
 cpuwatch=$!
 timeout "${BENCH_TIMEOUT_S:-520}" python3 -m bench.routing --device cuda --model "$model" --out "$res" --quiet \
