@@ -15,6 +15,10 @@ Two pools for models with sliding-window layers (Gemma 3: 5 of 6 layers see only
   out, so the attention kernels index both tables the same way. A block that slides out goes back to the
   local pool with its hash, among the blocks reclaimed first (oldest first): a later request can still use
   it until then, but it goes before the last window of any finished sequence, which later turns hit.
+  Two windows of a running sequence go back young instead: the one behind its prompt's end and the one
+  behind its hit point (the previous turn's prompt end). So every turn end of a conversation keeps its
+  window in the LRU, and a turn that edits the middle of the history still hits at the last turn end before
+  the edit (with only the newest turn end kept, such a turn hit the system prompt or nothing).
 The same hash chain keys both pools. A prefix hit of L tokens needs global blocks for [0, L) and local
 blocks for the window the first new query reads, [L - window + 1, L); match_prefix takes the longest L with
 both. Block events describe the global pool: a global eviction ends a chain for good, while a local
@@ -81,12 +85,12 @@ def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, 
     """Split a budget of `num_blocks` all-layer blocks (the profile's KV tokens / block size) into the two
     pools, at the same bytes. The local pool gets what the running batch can hold at once (per sequence
     the window plus the blocks its position and a chunk straddle, window/bs + 3, plus the step's token
-    budget) and as many finished sequences' last windows again (window/bs + 1 each; at most a third of what
-    the running batch leaves), which is what a prefix hit needs besides the global blocks; every other block
-    goes to the global pool, n_layers / n_global times over. Sized for the running batch alone, a full
-    batch reclaimed every cached window; on the H200 routing replay even conversations pinned to one worker
-    recomputed 2,000 tokens a later turn against an oracle cache's 1,262 (that run predates this sizing;
-    not re-measured with it)."""
+    budget) and a third of what the running batch leaves, for finished sequences' windows, which is what a
+    prefix hit needs besides the global blocks; every other block goes to the global pool, n_layers /
+    n_global times over. Sized for the running batch alone, a full batch reclaimed every cached window.
+    Capped at max_num_seqs finished windows (8 on the H200 replay), it held fewer windows than two agent
+    conversations have turn ends (14 each), and a turn that edits the middle of its history hits at the
+    last turn end before the edit only while that turn end's window is cached (BlockManager._kept)."""
     is_global = list(is_global)
     n_layers, n_global = len(is_global), sum(is_global)
     if not enabled or not window or n_global in (0, n_layers):
@@ -94,9 +98,9 @@ def plan_pools(num_blocks: int, block_size: int, is_global, window: int | None, 
     step = max(max_step_tokens, max_num_seqs)
     per_window = -(-window // block_size)
     running = max_num_seqs * (per_window + 3) + -(-step // block_size)
-    # finished windows take at most a third of what the running batch leaves: a local block costs the global
-    # pool n_layers_local / n_global blocks (5 for Gemma 3), so a small budget must not trade its context away
-    finished = min(max_num_seqs * (per_window + 1), max(0, num_blocks - running) // 3)
+    # finished windows take a third of what the running batch leaves: a local block costs the global pool
+    # n_layers_local / n_global blocks (5 for Gemma 3), so a small budget must not trade its context away
+    finished = max(0, num_blocks - running) // 3
     local = min(num_blocks, running + finished)
     glob = (num_blocks * n_layers - local * (n_layers - n_global)) // n_global
     return PoolPlan(glob, local, window)
@@ -186,6 +190,8 @@ class BlockManager:
         self.window = window if self.local is not None else None
         self._sink = block_sink
         self._added: list[int] = []
+        # per running sequence, the local blocks match_prefix attached (the window behind its hit point)
+        self._hit_windows: dict[Sequence, range] = {}
 
     @classmethod
     def from_plan(cls, plan: PoolPlan, block_size: int, block_sink: BlockSink | None = None) -> BlockManager:
@@ -247,6 +253,7 @@ class BlockManager:
                 self.local.ref(bid)
                 seq.local_table.append(bid)
             seq.local_start = first
+            self._hit_windows[seq] = range(first, n)
         seq.num_computed = n * bs
         return seq.num_computed
 
@@ -297,19 +304,29 @@ class BlockManager:
         them before any finished sequence's last window (the tail a continuing request hits). Released at
         the young end instead, one long prefill (a 9k-token agent prompt slides ~540 blocks out) flushed
         every cached window from a local pool sized for the running batch: on the H200 routing replay
-        later turns of a conversation then found no usable prefix at all."""
+        later turns of a conversation then found no usable prefix at all.
+
+        Two windows go back young (`_kept`): behind the prompt's end, and behind the hit point."""
         end = min(self.first_needed(seq.num_computed), len(seq.local_table))
-        # The window behind the prompt's last full block stays young: the next turn of a conversation
-        # resends this prompt and hits there when it does not carry the generated text token for token
-        # (an agent's edited answer, a tool call re-rendered by the client).
-        # Blocks past it (generated text sliding out of a long answer) go cold like the rest.
-        prompt_end = seq.num_prompt_tokens // self.block_size
-        keep = range(self.first_needed(prompt_end * self.block_size), prompt_end)
+        kept = self._kept(seq)
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
-                self.local.release(seq.local_table[i], cold=i not in keep)
+                self.local.release(seq.local_table[i], cold=not any(i in r for r in kept))
                 seq.local_table[i] = -1
         seq.local_start = max(seq.local_start, end)
+
+    def _kept(self, seq: Sequence) -> tuple[range, range]:
+        """The local blocks of `seq` that stay young when they slide out.
+        - The window behind the prompt's last full block: the next turn of a conversation resends this prompt
+          and hits there when it does not carry the generated text token for token (an agent's edited answer,
+          a tool call re-rendered by the client).
+        - The window behind the hit point, which is the previous turn's prompt end: a later turn that edits
+          the history after that point hits there. Cold, only the newest turn end of a conversation stayed
+          cached; on the H200 14-turn replay edited turns then recomputed from the system prompt.
+        Blocks past them (generated text sliding out of a long answer, the middle of a prompt) go cold."""
+        prompt_end = seq.num_prompt_tokens // self.block_size
+        return (range(self.first_needed(prompt_end * self.block_size), prompt_end),
+                self._hit_windows.get(seq, range(0)))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Release `seq`'s blocks past the first `num_tokens` tokens (speculation's rejected drafts). Those
@@ -335,6 +352,7 @@ class BlockManager:
                     self.local.release(bid)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
         seq.local_table, seq.local_start = [], 0
+        self._hit_windows.pop(seq, None)
 
     def flush_events(self) -> None:
         """Send this step's evictions, then additions, to the block sink (a hash may leave and come back)."""
