@@ -322,7 +322,9 @@ class BlockManager:
           a tool call re-rendered by the client).
         - The window behind the hit point, which is the previous turn's prompt end: a later turn that edits
           the history after that point hits there. Cold, only the newest turn end of a conversation stayed
-          cached; on the H200 14-turn replay edited turns then recomputed from the system prompt.
+          cached: replaying the H200 14-turn trace through this class (bench/window_hits.py, 672 local
+          blocks a worker), edited turns recomputed 7,420 prompt tokens each; kept young, 5,188 (an oracle
+          cache: 4,356).
         Blocks past them (generated text sliding out of a long answer, the middle of a prompt) go cold."""
         prompt_end = seq.num_prompt_tokens // self.block_size
         return (range(self.first_needed(prompt_end * self.block_size), prompt_end),
