@@ -6,7 +6,8 @@
     ...
     await index.close()
 
-Same contract as cache.index.PrefixIndex. Every method is one Lua script: one round trip, atomic.
+Same contract as cache.index.PrefixIndex. Every method is one Lua script: one round trip, atomic; except a
+snapshot of more than `snapshot_part` hashes, which goes in parts (see `snapshot`).
 Failures raise IndexUnavailable within `timeout_s` (RedisConfig.timeout_s), and for `retry_interval_s`
 after one, calls raise at once (cache.redis_guard). `on_recovered` is called when Redis answers again
 after failures, or when it answers with its contents gone (restarted without persistence): the
@@ -48,7 +49,8 @@ def _pack(hashes: Sequence[int]) -> bytes:
 
 class RedisPrefixIndex(PrefixIndex):
     SCRIPTS = {"publish": redis_scripts.PUBLISH, "evict": redis_scripts.EVICT, "drop": redis_scripts.DROP,
-               "snapshot": redis_scripts.SNAPSHOT, "longest": redis_scripts.LONGEST}
+               "snapshot": redis_scripts.SNAPSHOT, "snapshot_part": redis_scripts.SNAPSHOT_PART,
+               "snapshot_end": redis_scripts.SNAPSHOT_END, "longest": redis_scripts.LONGEST}
 
     def __init__(
         self,
@@ -59,12 +61,14 @@ class RedisPrefixIndex(PrefixIndex):
         timeout_s: float = 0.05,
         retry_interval_s: float = 1.0,
         bulk_timeout_s: float = 5.0,
+        snapshot_part: int = 2048,
         on_recovered: Callable[[], object] | None = None,
     ):
         self._r = client
         self.namespace = namespace
         self.ttl_s = max(1, int(ttl_s))
         self.bulk_timeout_s = bulk_timeout_s  # snapshot and drop_worker move whole block sets
+        self.snapshot_part = snapshot_part  # a snapshot of more hashes goes in parts of this many
         self.guard = RedisGuard(timeout_s, retry_interval_s, IndexUnavailable, on_recovered)
         self._epoch: str | None = None
         self._scripts = {name: client.register_script(src) for name, src in self.SCRIPTS.items()}
@@ -109,10 +113,23 @@ class RedisPrefixIndex(PrefixIndex):
         await self._call("drop", [worker_id], self.bulk_timeout_s)
 
     async def snapshot(self, worker_id: str, blocks: Mapping[Tier, Sequence[int]]) -> None:
-        args: list = [worker_id, self.ttl_s]
+        """Replace the worker's entries. Up to `snapshot_part` hashes: one script, atomic. More: in parts of
+        that many, each its own short script (lookups in between see the new blocks as each part lands and
+        the dropped ones until the end), so a big worker's snapshot does not hold Redis for ~100 ms."""
+        if sum(len(h) for h in blocks.values()) <= self.snapshot_part:
+            args: list = [worker_id, self.ttl_s]
+            for tier, hashes in blocks.items():
+                args += [_tier_name(tier), _pack(hashes)]
+            await self._call("snapshot", args, self.bulk_timeout_s)
+            return
+        first, n = "1", self.snapshot_part
         for tier, hashes in blocks.items():
-            args += [_tier_name(tier), _pack(hashes)]
-        await self._call("snapshot", args, self.bulk_timeout_s)
+            name = _tier_name(tier)
+            for i in range(0, len(hashes), n):
+                await self._call("snapshot_part", [worker_id, self.ttl_s, first, name, _pack(hashes[i:i + n])],
+                                 self.bulk_timeout_s)
+                first = "0"
+        await self._call("snapshot_end", [worker_id, self.ttl_s], self.bulk_timeout_s)
 
     async def longest_prefix(self, hashes: Sequence[int], tiers: Collection[Tier] | None = None) -> dict[str, int]:
         if not hashes:

@@ -17,6 +17,8 @@ used "pfx:", whose keys carry a TTL and lapse on their own after an upgrade):
                        being cleaned; a slot is reused only once clean, so a new worker never inherits
                        stale bits.
 - P tmp                scratch set inside a snapshot script (never outlives the call)
+- P snap:<slot>:<tier> staging set of a snapshot sent in parts (SNAPSHOT_PART ... SNAPSHOT_END); TTL ttl_s,
+                       so a snapshot that never ends leaves nothing behind
 A lookup reads each prompt block's mask once (HMGET in growing chunks) and ANDs the live workers' bits
 until every worker has dropped out: ~1 field read per matched block for all workers together, instead of
 one set check per block per worker. A lapsed slot is retired by the first call that sees it, and a
@@ -201,6 +203,55 @@ if s and next(given) == nil then retire(w, s)
 elseif s then
   for _, t in ipairs(TIERS) do replace(s, t, given[t] or {}) end
   touch(s, tonumber(ARGV[4]))
+end
+""" + CLEAN + "return epoch\n"
+
+# A large snapshot in parts, so no single script holds Redis for long (a first 100k-block snapshot in one
+# call held it ~200 ms, and every lookup behind it timed out). Each part adds its hashes at once (lookups
+# see them) and collects them in the slot's staging sets; the end removes what no part named, per tier.
+# ARGV[3] = worker, ARGV[4] = ttl, ARGV[5] = "1" on the first part (clears a failed snapshot's staging),
+# then pairs: tier name, hashes.
+SNAPSHOT_PART = PROLOGUE + """
+local s = slot_of(ARGV[3], true)
+local function stage_key(t) return P .. 'snap:' .. s .. ':' .. t end
+if ARGV[5] == '1' then
+  for _, t in ipairs(TIERS) do redis.call('UNLINK', stage_key(t)) end
+end
+for i = 6, #ARGV, 2 do
+  if #ARGV[i + 1] > 0 then
+    local hashes = split(ARGV[i + 1], 1, #ARGV[i + 1] / 8)
+    add(s, ARGV[i], hashes)
+    each_chunk('SADD', stage_key(ARGV[i]), hashes)
+    redis.call('EXPIRE', stage_key(ARGV[i]), tonumber(ARGV[4]))
+  end
+end
+touch(s, tonumber(ARGV[4]))
+""" + CLEAN + "return epoch\n"
+
+# ARGV[3] = worker, ARGV[4] = ttl. Ends a snapshot sent in parts: per tier, what is held and no part named
+# goes (a set difference in C); a tier no part named is emptied, as SNAPSHOT does.
+SNAPSHOT_END = PROLOGUE + """
+local s = slot_of(ARGV[3], false)
+if s then
+  local any = false
+  for _, t in ipairs(TIERS) do
+    local key, stage = held_key(s, t), P .. 'snap:' .. s .. ':' .. t
+    local gone
+    if redis.call('EXISTS', stage) == 1 then
+      any = true
+      -- every part added what it staged, so stage is a subset of held: equal sizes mean nothing to remove
+      -- (the periodic snapshot of an unchanged worker), and the O(held) difference is skipped
+      if redis.call('SCARD', key) == redis.call('SCARD', stage) then gone = {}
+      else gone = redis.call('SDIFF', key, stage) end
+      each_chunk('SREM', key, gone)
+      redis.call('UNLINK', stage)  -- freed off Redis's main thread: a 100k-member set takes ~10 ms to free
+    else
+      gone = redis.call('SMEMBERS', key)
+      redis.call('DEL', key)
+    end
+    bump(s, t, gone, -1)
+  end
+  if any then touch(s, tonumber(ARGV[4])) else retire(ARGV[3], s) end
 end
 """ + CLEAN + "return epoch\n"
 

@@ -26,8 +26,9 @@ TIERS = ("gpu", "host", "checkpoint")
 GROUP = 10
 
 
-def make_index(url: str, ns: str = "t:") -> RedisPrefixIndex:
-    return RedisPrefixIndex(make_client(url, 1.0), namespace=ns, ttl_s=60, timeout_s=1.0)
+def make_index(url: str, ns: str = "t:", snapshot_part: int = 8192) -> RedisPrefixIndex:
+    return RedisPrefixIndex(make_client(url, 1.0), namespace=ns, ttl_s=60, timeout_s=1.0,
+                            snapshot_part=snapshot_part)
 
 
 async def slots(side: aioredis.Redis, ns: str = "t:") -> dict[str, int]:
@@ -160,6 +161,28 @@ async def test_snapshot_replaces_a_workers_entries_by_difference(redis_server, s
         await index.close()
 
 
+async def test_a_snapshot_in_parts_replaces_like_one_and_leaves_no_staging(redis_server, side):  # noqa: F811
+    """Parts of 3 hashes: the same entries as the one-script snapshot (by difference, a tier left out is
+    emptied); a snapshot that stopped after its first part (the worker lost Redis) is undone by the next
+    one, and no staging set is left."""
+    index = make_index(redis_server.url, snapshot_part=3)
+    try:
+        await index.publish("w", H[:8], "gpu")
+        await index.publish("w", H[:2], "host")
+        # an abandoned snapshot: one part, never ended; it added H[7] (already held) and nothing else
+        await index._call("snapshot_part", ["w", 60, "1", "gpu", _pack(H[7:8])], 5.0)
+        await index.snapshot("w", {"gpu": H[2:6], "checkpoint": H[:4]})
+        assert await index.longest_prefix(H[:6], ["gpu"]) == {}
+        assert await index.longest_prefix(H[2:6], ["gpu"]) == {"w": 4}
+        assert await index.longest_prefix(H[:6], ["checkpoint"]) == {"w": 4}
+        assert await index.longest_prefix(H[:2], ["host"]) == {}  # left out: emptied
+        assert await side.smembers("t:pfx2:held:0:gpu") == set(_pack(H[2:6])[i:i + 8] for i in range(0, 32, 8))
+        assert [k async for k in side.scan_iter(match="t:pfx2:snap:*")] == []
+        await check_invariant(side)
+    finally:
+        await index.close()
+
+
 async def test_many_workers_span_several_slot_groups(redis_server, side):  # noqa: F811
     index = make_index(redis_server.url)
     long = chain_hashes(list(range(16 * 40)), 16)
@@ -273,11 +296,12 @@ _examples = itertools.count()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=st.lists(op, min_size=1, max_size=12), qs=queries)
-def test_lookup_equals_a_brute_force_model(redis_server, steps, qs):  # noqa: F811
+@given(steps=st.lists(op, min_size=1, max_size=12), qs=queries, part=st.sampled_from([8192, 5]))
+def test_lookup_equals_a_brute_force_model(redis_server, steps, qs, part):  # noqa: F811
+    """`part` 5: every snapshot of more than 5 hashes goes in parts (SNAPSHOT_PART ... SNAPSHOT_END)."""
     async def run():
         ns = f"h{next(_examples)}:"
-        index = make_index(redis_server.url, ns)
+        index = make_index(redis_server.url, ns, part)
         side = aioredis.Redis.from_url(redis_server.url)
         model: dict[str, dict[str, set[int]]] = {}
         try:
