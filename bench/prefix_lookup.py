@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import time
 from pathlib import Path
 
 from bench import protocol
 from bench.machine import machine_info
 from bench.prefix_lookup_sets import SetsPrefixIndex
+from bench.redis_run import bench_redis
 from cache.hashing import chain_hashes
 from cache.memory_index import MemoryPrefixIndex
 from cache.redis_guard import make_client
@@ -152,21 +152,14 @@ async def memory_by_namespace(url: str) -> dict[str, int]:
 
 
 async def main_async(args) -> int:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
     machine = machine_info()
-    server = RedisServer(binary)
-    server.start()
     started = time.time()
-    try:
+    with bench_redis() as server:
         ms, closers = measures(server, args.calls)
         records = await protocol.run(ms, args.repeats, args.warmup, progress=not args.quiet)
         memory = await memory_by_namespace(server.url)
         for c in closers:
             await c.close()
-    finally:
-        server.close()
     summary = protocol.summarize(records)
     doc = protocol.result_document("prefix_lookup", records, summary, {"calls": args.calls, "shapes": SHAPES},
                                    started, machine)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import time
 from pathlib import Path
 
 from bench import protocol
 from bench.machine import machine_info
+from bench.redis_run import bench_redis
 from cache.hashing import chain_hashes
 from cache.redis_guard import make_client
 from cache.redis_index import RedisPrefixIndex
@@ -101,20 +101,13 @@ def measures(server: RedisServer, blocks: int, closers: list) -> dict:
 
 
 async def main_async(args) -> int:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
     machine = machine_info()
-    server = RedisServer(binary)
-    server.start()
     started, closers = time.time(), []
-    try:
+    with bench_redis() as server:
         records = await protocol.run(measures(server, args.blocks, closers), args.repeats, args.warmup,
                                      progress=not args.quiet)
         for c in closers:
             await c.close()
-    finally:
-        server.close()
     summary = protocol.summarize(records)
     doc = protocol.result_document("redis_snapshot", records, summary, {"blocks": args.blocks}, started, machine)
     table = protocol.markdown_table(summary, METRICS, digits=1)
