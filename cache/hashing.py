@@ -23,7 +23,12 @@ ROOT_HASH = 0
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one full block given its parent's hash (ROOT_HASH for the first block): a 63-bit int."""
-    return xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), parent) >> 1
+    return _digest(parent, struct.pack(f"<{len(tokens)}I", *tokens))
+
+
+def _digest(parent: int, payload: bytes) -> int:
+    """The one place the block hash is defined: XXH3-64 of the packed ids, seeded by the parent, 63 bits."""
+    return xxh3_64_intdigest(payload, parent) >> 1
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
@@ -48,9 +53,9 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 def chain_hashes_packed(raw: bytes, block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """chain_hashes over ids already packed by pack_tokens (a trailing partial block is not hashed)."""
-    step, digest = 4 * block_size, xxh3_64_intdigest
+    step = 4 * block_size
     hashes: list[int] = []
     for start in range(0, len(raw) - step + 1, step):
-        parent = digest(raw[start : start + step], parent) >> 1
+        parent = _digest(parent, raw[start : start + step])
         hashes.append(parent)
     return hashes
