@@ -117,7 +117,7 @@ class RedisPrefixIndex(PrefixIndex):
         that many, each its own short script (lookups in between see the new blocks as each part lands and
         the dropped ones until the end), so a big worker's snapshot does not hold Redis for ~100 ms."""
         if sum(len(h) for h in blocks.values()) <= self.snapshot_part:
-            args: list = [worker_id, self.ttl_s]
+            args: list = [worker_id, self.ttl_s, "1"]
             for tier, hashes in blocks.items():
                 args += [_tier_name(tier), _pack(hashes)]
             await self._call("snapshot", args, self.bulk_timeout_s)

@@ -16,9 +16,8 @@ used "pfx:", whose keys carry a TTL and lapse on their own after an upgrade):
 - P dirty              set of retired slots (their worker lapsed or was dropped) whose entries are still
                        being cleaned; a slot is reused only once clean, so a new worker never inherits
                        stale bits.
-- P tmp                scratch set inside a snapshot script (never outlives the call)
-- P snap:<slot>:<tier> staging set of a snapshot sent in parts (SNAPSHOT_PART ... SNAPSHOT_END); TTL ttl_s,
-                       so a snapshot that never ends leaves nothing behind
+- P snap:<slot>:<tier> staging set of a snapshot (SNAPSHOT in one script, or SNAPSHOT_PART ... SNAPSHOT_END);
+                       TTL ttl_s, so a snapshot sent in parts that never ends leaves nothing behind
 A lookup reads each prompt block's mask once (HMGET in growing chunks) and ANDs the live workers' bits
 until every worker has dropped out: ~1 field read per matched block for all workers together, instead of
 one set check per block per worker. A lapsed slot is retired by the first call that sees it, and a
@@ -95,14 +94,6 @@ local function remove(s, t, hashes)  -- (s, t) no longer holds hashes (unknown o
   local old = filter(held_key(s, t), hashes, 1)
   each_chunk('SREM', held_key(s, t), old)
   bump(s, t, old, -1)
-end
-local function replace(s, t, hashes)  -- (s, t) holds exactly hashes; set differences in C, bits per change
-  local key, tmp = held_key(s, t), P .. 'tmp'
-  redis.call('DEL', tmp)
-  each_chunk('SADD', tmp, hashes)
-  bump(s, t, redis.call('SDIFF', key, tmp), -1)
-  bump(s, t, redis.call('SDIFF', tmp, key), 1)
-  if #hashes > 0 then redis.call('RENAME', tmp, key) else redis.call('DEL', key) end
 end
 local function retire(w, s)  -- hide the slot's entries now; later writes clean them before it is reused
   redis.call('HDEL', SLOT, w); redis.call('HDEL', OWNER, s); redis.call('DEL', alive_key(s))
@@ -191,68 +182,72 @@ local s = slot_of(ARGV[3], false)
 if s then retire(ARGV[3], s) end
 """ + CLEAN + "return epoch\n"
 
-# ARGV[3] = worker, ARGV[4] = ttl, then pairs: tier name, hashes. Replaces per tier by difference:
-# periodic snapshots mostly repeat what is held, and then only set operations in C run.
-SNAPSHOT = PROLOGUE + """
-local w, given = ARGV[3], {}
-for i = 5, #ARGV, 2 do
-  if #ARGV[i + 1] > 0 then given[ARGV[i]] = split(ARGV[i + 1], 1, #ARGV[i + 1] / 8) end
+# Snapshots replace a worker's entries, per tier. Each hash given is added at once (lookups see it) and staged;
+# the end removes what is held and was not staged (a set difference in C; skipped when nothing was dropped)
+# and empties a tier no hash was given for. Small snapshots do both in one script (SNAPSHOT); large ones go
+# in parts (SNAPSHOT_PART, then SNAPSHOT_END), so no single script holds Redis for long: a first 100k-block
+# snapshot in one call held it ~200 ms, and every lookup behind it timed out.
+# Every snapshot script: ARGV[3] = worker, ARGV[4] = ttl; SNAPSHOT and SNAPSHOT_PART also ARGV[5] = "1" on a
+# snapshot's first part (clears a failed one's staging), then pairs: tier name, hashes.
+SNAPSHOT_FNS = """
+local function stage_key(s, t) return P .. 'snap:' .. s .. ':' .. t end
+local function given()  -- whether the pairs hold any hash
+  for i = 7, #ARGV, 2 do if #ARGV[i] > 0 then return true end end
+  return false
 end
-local s = slot_of(w, next(given) ~= nil)
-if s and next(given) == nil then retire(w, s)
-elseif s then
-  for _, t in ipairs(TIERS) do replace(s, t, given[t] or {}) end
-  touch(s, tonumber(ARGV[4]))
-end
-""" + CLEAN + "return epoch\n"
-
-# A large snapshot in parts, so no single script holds Redis for long (a first 100k-block snapshot in one
-# call held it ~200 ms, and every lookup behind it timed out). Each part adds its hashes at once (lookups
-# see them) and collects them in the slot's staging sets; the end removes what no part named, per tier.
-# ARGV[3] = worker, ARGV[4] = ttl, ARGV[5] = "1" on the first part (clears a failed snapshot's staging),
-# then pairs: tier name, hashes.
-SNAPSHOT_PART = PROLOGUE + """
-local s = slot_of(ARGV[3], true)
-local function stage_key(t) return P .. 'snap:' .. s .. ':' .. t end
-if ARGV[5] == '1' then
-  for _, t in ipairs(TIERS) do redis.call('UNLINK', stage_key(t)) end
-end
-for i = 6, #ARGV, 2 do
-  if #ARGV[i + 1] > 0 then
-    local hashes = split(ARGV[i + 1], 1, #ARGV[i + 1] / 8)
-    add(s, ARGV[i], hashes)
-    each_chunk('SADD', stage_key(ARGV[i]), hashes)
-    redis.call('EXPIRE', stage_key(ARGV[i]), tonumber(ARGV[4]))
+local function stage(s)
+  if ARGV[5] == '1' then
+    for _, t in ipairs(TIERS) do redis.call('UNLINK', stage_key(s, t)) end
+  end
+  for i = 6, #ARGV, 2 do
+    if #ARGV[i + 1] > 0 then
+      local hashes = split(ARGV[i + 1], 1, #ARGV[i + 1] / 8)
+      add(s, ARGV[i], hashes)
+      each_chunk('SADD', stage_key(s, ARGV[i]), hashes)
+      redis.call('EXPIRE', stage_key(s, ARGV[i]), tonumber(ARGV[4]))
+    end
   end
 end
-touch(s, tonumber(ARGV[4]))
-""" + CLEAN + "return epoch\n"
-
-# ARGV[3] = worker, ARGV[4] = ttl. Ends a snapshot sent in parts: per tier, what is held and no part named
-# goes (a set difference in C); a tier no part named is emptied, as SNAPSHOT does.
-SNAPSHOT_END = PROLOGUE + """
-local s = slot_of(ARGV[3], false)
-if s then
+local function finish(w, s)
   local any = false
   for _, t in ipairs(TIERS) do
-    local key, stage = held_key(s, t), P .. 'snap:' .. s .. ':' .. t
+    local key, staged = held_key(s, t), stage_key(s, t)
     local gone
-    if redis.call('EXISTS', stage) == 1 then
+    if redis.call('EXISTS', staged) == 1 then
       any = true
-      -- every part added what it staged, so stage is a subset of held: equal sizes mean nothing to remove
+      -- everything staged was added, so staged is a subset of held: equal sizes mean nothing to remove
       -- (the periodic snapshot of an unchanged worker), and the O(held) difference is skipped
-      if redis.call('SCARD', key) == redis.call('SCARD', stage) then gone = {}
-      else gone = redis.call('SDIFF', key, stage) end
+      if redis.call('SCARD', key) == redis.call('SCARD', staged) then gone = {}
+      else gone = redis.call('SDIFF', key, staged) end
       each_chunk('SREM', key, gone)
-      redis.call('UNLINK', stage)  -- freed off Redis's main thread: a 100k-member set takes ~10 ms to free
+      redis.call('UNLINK', staged)  -- freed off Redis's main thread: a 100k-member set takes ~10 ms to free
     else
       gone = redis.call('SMEMBERS', key)
       redis.call('DEL', key)
     end
     bump(s, t, gone, -1)
   end
-  if any then touch(s, tonumber(ARGV[4])) else retire(ARGV[3], s) end
+  if any then touch(s, tonumber(ARGV[4])) else retire(w, s) end
 end
+"""
+
+SNAPSHOT = PROLOGUE + SNAPSHOT_FNS + """
+local s = slot_of(ARGV[3], given())
+if s then
+  stage(s)
+  finish(ARGV[3], s)
+end
+""" + CLEAN + "return epoch\n"
+
+SNAPSHOT_PART = PROLOGUE + SNAPSHOT_FNS + """
+local s = slot_of(ARGV[3], true)
+stage(s)
+touch(s, tonumber(ARGV[4]))
+""" + CLEAN + "return epoch\n"
+
+SNAPSHOT_END = PROLOGUE + SNAPSHOT_FNS + """
+local s = slot_of(ARGV[3], false)
+if s then finish(ARGV[3], s) end
 """ + CLEAN + "return epoch\n"
 
 # ARGV[3] = tier mask, ARGV[4] = hashes in prefix order. Returns {epoch, w1, n1, w2, n2, ...}.
