@@ -10,8 +10,9 @@
 
 Errors are gateway.errors.APIError: 401 (missing/unknown/revoked key), 403 (admin scope needed),
 429 (key over its rpm/tpm/concurrency, with Retry-After), 503 (key store unreachable and the key not
-seen recently). With no active key in the store, requests pass only when `open_when_empty` and the
-bind address is loopback; a key created while serving switches auth on within `recheck_s`.
+seen recently). With no active key in the store, requests pass (with any bearer token or none) only when
+`open_when_empty` and the bind address is loopback; a key created while serving switches auth on within
+`recheck_s`.
 Key ids (public) may go to logs and spans; the key itself never does.
 """
 from __future__ import annotations
@@ -56,8 +57,11 @@ class KeyAuth:
     async def authenticate(self, authorization: str | None, *, admin: bool = False) -> ApiKey | None:
         """The caller's key, or None when the gateway is open (no keys, loopback). Raises APIError."""
         token = _bearer(authorization)
-        if token is None and not await self._keyed() and self.open_when_empty and is_loopback(self.host):
-            return None  # the single-box default: open (admin endpoints too), reachable from this machine only
+        if not await self._keyed() and self.open_when_empty and is_loopback(self.host):
+            # The single-box default: open (admin endpoints too), reachable from this machine only. Any
+            # bearer token passes, since every OpenAI client sends one (`api_key="unused"`) and most refuse
+            # to start without it; once a key exists, tokens are checked.
+            return None
         if token is None:
             raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})

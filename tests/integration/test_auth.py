@@ -27,9 +27,13 @@ async def test_open_on_loopback_until_a_key_exists(tmp_path):
     assert "open without auth" in await auth.start()
     assert await auth.authenticate(None) is None
     assert await auth.authenticate(None, admin=True) is None
+    # every OpenAI client sends a bearer token (the README's example sends "unused"): open means open
+    assert await auth.authenticate("Bearer unused") is None
+    assert await auth.authenticate("Bearer unused", admin=True) is None
     plaintext, key = await FileKeyStore(tmp_path / "keys.json").create("ci", rpm=1, admin=False)
     await asyncio.sleep(0.06)
     assert await status_of(auth.authenticate(None)) == 401  # a key now exists: auth is on
+    assert await status_of(auth.authenticate("Bearer unused")) == 401
     assert (await auth.authenticate(f"Bearer {plaintext}")).key_id == key.key_id
     assert await status_of(auth.authenticate(f"Bearer {plaintext}x")) == 401
     assert await status_of(auth.authenticate(f"Basic {plaintext}")) == 401
@@ -47,6 +51,7 @@ async def test_no_keys_on_a_public_bind_refuses(tmp_path):
     auth = KeyAuth(FileKeyStore(tmp_path / "keys.json"), LocalQuota(), host="0.0.0.0")
     assert "refused" in await auth.start()
     assert await status_of(auth.authenticate(None)) == 401
+    assert await status_of(auth.authenticate("Bearer unused")) == 401
 
 
 async def test_store_unreachable_is_503_not_401(redis_server):
