@@ -54,14 +54,23 @@ class Ops:
         g = np.float32(0.5) * gate * (1.0 + xp.tanh(c * (gate + np.float32(0.044715) * gate * gate * gate)))
         return g * up
 
+    def silu_mul(self, gate, up):
+        """silu(gate) * up: Llama's gated MLP (SwiGLU). sigmoid as 0.5 (1 + tanh(x / 2)): no exp overflow."""
+        half = np.float32(0.5)
+        return gate * (half + half * self.xp.tanh(half * gate)) * up
+
     def softcap(self, x, cap: float):
         return self.xp.tanh(x / np.float32(cap)) * np.float32(cap)
 
     # --- rotary embedding (NeoX layout: the two halves of each head rotate together) ---------------
-    def rope_tables(self, positions, base: float, dim: int, scale: float = 1.0):
-        """cos and sin, each (T, dim/2), for the step's positions; shared by every layer with this base."""
+    def rope_tables(self, positions, base: float, dim: int, scale: float = 1.0, freq_factors=None):
+        """cos and sin, each (T, dim/2), for the step's positions; shared by every layer with this base.
+        `scale` divides positions (linear scaling); `freq_factors` (dim/2,) divide each frequency (the
+        `rope_freqs` tensor Llama 3.1-style GGUFs carry for their long-context scaling)."""
         xp = self.xp
         inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        if freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
         angles = (positions.astype(xp.float64) / scale)[:, None] * xp.asarray(inv_freq)[None, :]
         return xp.cos(angles).astype(xp.float32), xp.sin(angles).astype(xp.float32)
 
