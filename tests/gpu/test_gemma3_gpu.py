@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.required import absent
 from workers.cupy.batch import build_batch
 from workers.cupy.gemma3 import Gemma3, Gemma3Config
 from workers.cupy.kv_cache import BlockManager
@@ -98,8 +99,11 @@ def test_random_weights_prefill_and_graph_decode(graph_sizes, act, tol):
 
 
 def model_path() -> Path | None:
+    """PULSE_GGUF's file (an error when it names a missing file), else the bundled model where installed."""
     p = os.environ.get("PULSE_GGUF")
     if p:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"PULSE_GGUF names a missing file: {p}")
         return Path(p)
     try:
         from workers.protocol.model import bundled_model_path
@@ -122,7 +126,7 @@ PROMPTS = [
 def real():
     path = model_path()
     if path is None or not path.exists():
-        pytest.skip("no GGUF model (set PULSE_GGUF)")
+        absent("no GGUF model (set PULSE_GGUF)", env="PULSE_REQUIRE_GPU")
     from workers.cupy.weights import load_weights
     from workers.protocol.model import load_model_info, load_tokenizer
 

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("cupy")
 
 from tests.gpu.test_gemma3_gpu import PROMPTS, model_path  # noqa: E402
+from tests.required import absent  # noqa: E402
 
 LAUNCHER = "ray" if importlib.util.find_spec("ray") else "process"
 
@@ -22,7 +23,7 @@ LAUNCHER = "ray" if importlib.util.find_spec("ray") else "process"
 def engines():
     path = model_path()
     if path is None or not path.exists():
-        pytest.skip("no GGUF model (set PULSE_GGUF)")
+        absent("no GGUF model (set PULSE_GGUF)", env="PULSE_REQUIRE_GPU")
     from workers.cupy.gpu import create_gpu_engine
     from workers.cupy.weights import load_weights
     from workers.pipeline.build import close_pipeline, create_pipelined_engine, stage_plan

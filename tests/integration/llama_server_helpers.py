@@ -4,10 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles
+from tests.required import absent
 from workers.llama_server.backend import LlamaServerBackend
 from workers.llama_server.binary import find_llama_server
 from workers.protocol import Chunk, GenerateRequest, SamplingParams
@@ -22,9 +21,7 @@ def llama_server_binary() -> Path:
     try:
         return find_llama_server(os.environ.get("PULSE_LLAMA_SERVER") or None)
     except FileNotFoundError as e:
-        if os.environ.get(REQUIRE_ENV) or os.environ.get("CI"):
-            pytest.fail(f"{REQUIRE_ENV} is set but llama-server is missing: {e}")
-        pytest.skip(f"llama-server not built (run deploy/build_llama_server.sh): {e}")
+        absent(f"llama-server not built (run deploy/build_llama_server.sh): {e}", env=REQUIRE_ENV)
 
 
 def make_config(tmp: Path, **overrides) -> PulseConfig:
