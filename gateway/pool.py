@@ -1,7 +1,8 @@
 """The gateway's view of the workers: where each one's token stream is, its live load, its health.
 
 Tokens do not cross Ray: each worker serves its stream over a direct HTTP channel (workers/stream.py)
-and the gateway keeps pooled keep-alive connections to it. Ray only tells the gateway where the workers
+and the gateway keeps pooled keep-alive connections to it, sending the worker's channel secret (from its
+WorkerInfo, which came through Ray) on every request. Ray only tells the gateway where the workers
 are (`discover`), restarts dead ones, and places them.
 """
 from __future__ import annotations
@@ -52,6 +53,10 @@ class WorkerState:
 
     def routable(self, now: float) -> bool:
         return self.healthy and now >= self.open_until
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.info.secret}"}
 
 
 class WorkerPool:
@@ -111,7 +116,8 @@ class WorkerPool:
         unless this poll is itself part of a rediscovery, looks the worker up again."""
         assert self._session is not None
         try:
-            async with self._session.get(w.info.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with self._session.get(w.info.url + "/stats", headers=w.auth,
+                                         timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
@@ -126,7 +132,7 @@ class WorkerPool:
     async def _pull_blocks(self, w: WorkerState) -> None:
         assert self._session is not None
         url = f"{w.info.url}/blocks?since={w.block_seq}"
-        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with self._session.get(url, headers=w.auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
             if r.status != 200:
                 return
             batch = block_batch_decoder.decode(await r.read())
@@ -172,7 +178,7 @@ class WorkerPool:
         try:
             resp = await self._session.post(
                 w.info.url + "/generate", data=encode(request), timeout=timeout,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **w.auth},
             )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self.record_failure(w)
@@ -184,9 +190,10 @@ class WorkerPool:
                 detail = msgspec_error(body)
             except Exception:
                 detail = body[:200].decode(errors="replace")
-            if resp.status >= 500:
-                self.record_failure(w)
-            raise BackendError(detail, resp.status if resp.status < 600 else 503, "worker_refused")
+            if resp.status >= 500 or resp.status == 401:
+                self.record_failure(w)  # 401: our copy of its secret is stale (it restarted): look it up again
+            status = 503 if resp.status == 401 or resp.status >= 600 else resp.status
+            raise BackendError(detail, status, "worker_refused")
         w.failures = 0
         return resp
 

@@ -17,6 +17,7 @@ from workers.blocklog import BlockLog
 from workers.protocol import BackendStats, BlockEvent, WorkerInfo
 from workers.protocol.model import load_model_info
 from workers.registry import backend_class
+from workers.request_limits import RequestLimits
 from workers.stream import StreamServer
 
 log = logging.getLogger("pulse.worker")
@@ -99,18 +100,22 @@ class WorkerActor:
             from workers.protocol import telemetry as tm
 
             provider = tm.setup_tracing(self.config.telemetry, role="worker")
+            ctx = self.config.model.context_length or min(model.context_length, profile.context_length)
+            srv = self.config.server
+            limits = RequestLimits(context_length=ctx, vocab_size=model.vocab_size,
+                                   max_stop_strings=srv.max_stop_strings, max_stop_length=srv.max_stop_length)
             self.server = StreamServer(self.backend, host=self.bind_host, worker_id=self.worker_id,
-                                       tracer=provider.get_tracer("pulse.worker"),
+                                       tracer=provider.get_tracer("pulse.worker"), limits=limits,
                                        block_log=None if self.publisher else self.block_log)
             url = await self.server.start()
             host = advertised_host(self.bind_host)
             url = url.replace(self.bind_host, host, 1) if host != self.bind_host else url
             stats = self.backend.stats()
-            ctx = self.config.model.context_length or min(model.context_length, profile.context_length)
+            # the channel secret reaches gateways only through Ray (this return value), never the network
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
                                     node_id=_node_id(), device=device_name, device_id=device_id(kind),
                                     block_size=stats.block_size,
-                                    context_length=ctx)
+                                    context_length=ctx, secret=self.server.secret)
             log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
             return self.info_
 

@@ -1,27 +1,37 @@
 """A worker's token stream over a direct HTTP channel (not a Ray call per chunk).
 
 POST /generate takes a GenerateRequest (JSON) and answers with one Chunk (JSON) per line; GET /stats
-answers BackendStats. Chunks that are ready together go out in one write (coalescing), the first at
+answers BackendStats. Only the gateway may call: every request carries `Authorization: Bearer <secret>`
+(the worker's channel secret, made here and handed to gateways through Ray in WorkerInfo), compared in
+constant time; anything else gets 401. The worker checks every bound of a GenerateRequest itself
+(workers/request_limits.py) and takes bodies no larger than a within-bounds request needs. Chunks that are ready together go out in one write (coalescing), the first at
 once. A gateway that closes the connection cancels the generation: aiohttp cancels the handler and the
 backend's iterator is closed in `finally`, freeing the slot and KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 
 from aiohttp import web
 
 from workers.protocol import Backend, BackendError, encode, request_decoder
 from workers.protocol import telemetry as tm
+from workers.request_limits import RequestLimits
 
 log = logging.getLogger("pulse.worker.stream")
 
 
 class StreamServer:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, *, tracer=None,
-                 worker_id: str = "", block_log=None):
+                 worker_id: str = "", block_log=None, limits: RequestLimits | None = None,
+                 secret: str | None = None):
         self.block_log = block_log
+        self.limits = limits or RequestLimits(context_length=1 << 20)
+        self.secret = secret or secrets.token_urlsafe(32)
+        self._expected = f"Bearer {self.secret}".encode()
         self.backend, self.host, self.port = backend, host, port
         self.tracer = tracer or tm.trace.get_tracer("pulse.worker")
         self.worker_id = worker_id
@@ -29,7 +39,7 @@ class StreamServer:
         self.draining = False
 
     async def start(self) -> str:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._authorize])
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/stats", self.stats)
         app.router.add_get("/blocks", self.blocks)
@@ -39,6 +49,13 @@ class StreamServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return f"http://{self.host}:{self.port}"
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            return _error(401, "this worker answers only its gateway", "unauthorized")
+        return await handler(request)
 
     async def close(self) -> None:
         if self._runner:
@@ -65,8 +82,13 @@ class StreamServer:
             return _error(503, "worker is draining", "draining")
         try:
             req = request_decoder.decode(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"generate request over {self.limits.max_body_bytes} bytes", "body_too_large")
         except Exception as e:
             return _error(400, f"bad generate request: {e}", "bad_request")
+        problem = self.limits.problem(req)
+        if problem:
+            return _error(400, f"generate request out of bounds: {problem}", "out_of_bounds")
         parent = tm.extract_context(req.trace_context)
         # prefill: arrival (queue wait included) to the first chunk; decode: first chunk to finish
         with self.tracer.start_as_current_span(tm.SPAN_PREFILL, context=parent) as prefill:

@@ -41,7 +41,7 @@ async def _setup(config: PulseConfig, n: int = 2):
     servers, infos = [], []
     for i in range(n):
         srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}")
-        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16))
+        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret))
         servers.append(srv)
 
     async def discover(worker_id):

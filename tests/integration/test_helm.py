@@ -128,7 +128,8 @@ def test_optional_objects_render_and_validate(helm):
 
 def test_each_object_switches_off(helm):
     docs = render(helm, None, "redis.enabled=false", "gateway.service.enabled=false",
-                  "gateway.ingress.enabled=true", "monitoring.serviceMonitor.enabled=true")
+                  "gateway.ingress.enabled=true", "monitoring.serviceMonitor.enabled=true",
+                  "networkPolicy.enabled=false")
     assert sorted(d["kind"] for d in docs) == ["ConfigMap", "RayService"]
     assert render(helm, None, "rayService.enabled=false", "pulse.configMap.enabled=false",
                   "redis.enabled=false", "gateway.service.enabled=false") == []
@@ -176,6 +177,23 @@ def test_worker_groups_hold_one_gpu_and_name_their_device(helm, values):
         # KubeRay hands this to `ray start --resources=...` through a shell: a quoted JSON object.
         raw = group["rayStartParams"]["resources"]
         assert json.loads(json.loads(raw)) == {group["groupName"]: 1}
+
+
+def test_network_policy_admits_only_gateway_and_ray_peers_to_workers(helm):
+    kinds = by_kind(render(helm, None, "networkPolicy.extraIngress[0].ports[0].port=8080"))
+    policy = kinds["NetworkPolicy"][0]
+    validate(policy)
+    cluster = kinds["RayService"][0]["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    worker = cluster["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    selects = lambda selector, labels: selector["matchLabels"].items() <= labels.items()  # noqa: E731
+    assert selects(policy["spec"]["podSelector"], worker) and not selects(policy["spec"]["podSelector"], head)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert any(selects(p["podSelector"], head) for p in peers)
+    # no rule admits everyone: each names pods of this release, or is one the values added
+    assert all(p["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "pulse" for p in peers)
+    assert policy["spec"]["ingress"][1] == {"ports": [{"port": 8080}]}
 
 
 def test_redis_password_by_reference_only(helm):

@@ -178,6 +178,11 @@ class WorkerInfo(msgspec.Struct):
     device_id: str = ""
     block_size: int = 16
     context_length: int = 0
+    secret: str = ""  # the bearer secret the worker's channel demands (workers/stream.py)
+
+    def __repr__(self) -> str:  # keeps the secret out of logs and tracebacks
+        shown = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "secret"}
+        return f"WorkerInfo({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 encode = msgspec.json.Encoder().encode

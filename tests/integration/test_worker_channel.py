@@ -1,0 +1,106 @@
+"""A worker's HTTP channel answers only its gateway and checks every bound itself.
+
+A real StreamServer (the load-test backend behind it) on loopback: requests without the channel secret,
+or with a wrong one, get 401 on every route; the gateway's pool (which has the secret from WorkerInfo)
+streams; out-of-bounds GenerateRequests get 400 from the worker even though no gateway checked them.
+"""
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+import pytest
+
+from gateway.pool import WorkerPool, iter_batches
+from policy.config import PulseConfig
+from workers.loadtest import LoadTestBackend
+from workers.protocol import GenerateRequest, WorkerInfo, encode
+from workers.request_limits import RequestLimits
+from workers.stream import StreamServer
+
+LIMITS = RequestLimits(context_length=4096, vocab_size=1000, max_stop_strings=4, max_stop_length=32)
+
+
+@pytest.fixture
+async def worker():
+    config = PulseConfig.model_validate({"workers": {"backend": "loadtest", "loadtest": {"tokens": 4}}})
+    srv = StreamServer(LoadTestBackend(config, worker_id="w0"), worker_id="w0", limits=LIMITS)
+    url = await srv.start()
+    async with aiohttp.ClientSession() as http:
+        yield srv, url, http
+    await srv.close()
+
+
+def _gen(**kw) -> dict:
+    return msgspec.to_builtins(GenerateRequest(request_id="r", prompt_ids=[1, 2, 3], max_tokens=4, **kw))
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}])
+@pytest.mark.parametrize("method,path", [("POST", "/generate"), ("GET", "/stats"), ("GET", "/blocks")])
+async def test_no_secret_no_answer(worker, headers, method, path):
+    srv, url, http = worker
+    async with http.request(method, url + path, json=_gen(), headers=headers) as r:
+        assert r.status == 401
+        assert (await r.json())["error"]["code"] == "unauthorized"
+
+
+async def test_the_pool_streams_with_the_secret_from_worker_info(worker):
+    srv, url, _ = worker
+    info = WorkerInfo("w0", url, "loadtest", secret=srv.secret)
+
+    async def discover(worker_id):
+        return [info]
+
+    pool = WorkerPool(discover, poll_interval_s=30)
+    await pool.start()
+    try:
+        w = pool.workers["w0"]
+        assert w.healthy  # its /stats poll was authorized
+        resp = await pool.open_stream(w, GenerateRequest(request_id="r", prompt_ids=[1, 2, 3], max_tokens=4))
+        chunks = [c async for batch in iter_batches(resp) for c in batch]
+        assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 4
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("fields,reason", [
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"stop": ["a"] * 5}, "stop has 5"),
+    ({"stop": ["x" * 33]}, "stop string"),
+    ({"stop": [""]}, "stop string"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"prompt_ids": []}, "prompt_ids"),
+    ({"prompt_ids": [5000]}, "prompt_ids holds"),
+    ({"prompt_ids": [-1]}, "prompt_ids holds"),
+    ({"prompt_ids": [1] * 4096}, "prompt_ids"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 4094}, "max_tokens"),
+    ({"prediction_ids": [1] * 4097}, "prediction_ids"),
+    ({"prediction_ids": [1000]}, "prediction_ids holds"),
+    ({"grammar": "x" * (256 * 1024 + 1)}, "grammar"),
+    ({"max_draft_tokens": -1}, "max_draft_tokens"),
+])
+async def test_worker_refuses_out_of_bounds(worker, fields, reason):
+    srv, url, http = worker
+    body = {**_gen(), **fields}
+    async with http.post(url + "/generate", data=encode(body), headers={"Authorization": f"Bearer {srv.secret}"}) as r:
+        assert r.status == 400, await r.text()
+        assert reason in (await r.json())["error"]["message"]
+
+
+async def test_body_limit_far_below_64_mib(worker):
+    srv, url, http = worker
+    assert LIMITS.max_body_bytes < 4 << 20
+    assert RequestLimits(context_length=131072).max_body_bytes < 8 << 20
+    body = b'{"request_id": "' + b"x" * (LIMITS.max_body_bytes + 1) + b'"}'
+    async with http.post(url + "/generate", data=body, headers={"Authorization": f"Bearer {srv.secret}"}) as r:
+        assert r.status == 413
+
+
+async def test_within_bounds_streams(worker):
+    srv, url, http = worker
+    body = _gen(logprobs=20, stop=["abcd"] * 4, prediction_ids=[7] * 10)
+    async with http.post(url + "/generate", data=encode(body), headers={"Authorization": f"Bearer {srv.secret}"}) as r:
+        assert r.status == 200
+        lines = [line for line in (await r.read()).split(b"\n") if line]
+        assert b'"finish_reason"' in lines[-1]
