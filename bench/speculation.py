@@ -16,8 +16,9 @@ at each request's first token), and every speculative run's tokens are compared 
 prompt (the prompts are cached in the engine's prefix cache before timing starts, so a run measures
 decode), under fixed K (0 = always off; each --ks; the largest is "always on") and under the adaptive
 policy (K per sequence per step from policy.speculation with the engine's live running count and the
-device profile). Aggregate decode tok/s per cell; the notes say per cell which configuration won and
-whether the adaptive one is within the spread of the best.
+device profile). Aggregate decode tok/s per cell; the notes say per cell which configuration won and the
+adaptive one's tok/s over the best's, paired per repeat ('matches' only when that ratio's range includes 1.0
+within 3%).
 
 Runs unchanged on a GPU (`--device auto` picks CUDA when present: the engine is then the CuPy/CUDA one).
 """
@@ -261,22 +262,36 @@ def edit_notes(records) -> str:
     return "\n".join(lines)
 
 
-def grid_notes(summary, contexts, concurrency, ks) -> str:
+MATCH_TOLERANCE = 0.03  # a paired ratio within 3% of 1.0 counts as equal speed
+
+
+def paired_verdict(ratios: list[float], tolerance: float = MATCH_TOLERANCE) -> str:
+    """'matches' only when the per-repeat ratios' range includes 1.0 within `tolerance`, else the median
+    ratio with its range: two overlapping min-max ranges of noisy repeats are not a match."""
+    s = protocol.spread(ratios)
+    if s["min"] <= 1.0 + tolerance and s["max"] >= 1.0 - tolerance:
+        return f"matches ({s['median']:.2f}x, {s['min']:.2f}-{s['max']:.2f})"
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def grid_notes(records, summary, contexts, concurrency, ks) -> str:
+    """Per cell: each configuration's median tok/s, the best fixed one, and adaptive / best paired per
+    repeat (the same repeat ran both, so machine drift cancels)."""
     names = ["off", *[f"k{k}" for k in ks], "adaptive"]
-    head = "| L | C | " + " | ".join(names) + " | best fixed | adaptive vs best |"
+    head = "| L | C | " + " | ".join(names) + " | best fixed | adaptive / best, per repeat |"
     rows = [head, "| --- " * (len(names) + 4) + "|"]
     totals = {n: 0.0 for n in names}
+    repeats = protocol.by_repeat(records).values()
     for context in contexts:
         for streams in concurrency:
-            cell = {n: summary[f"L{context}-C{streams}-{n}"]["decode_tok_s"] for n in names}
+            key = f"L{context}-C{streams}-"
+            cell = {n: summary[key + n]["decode_tok_s"] for n in names}
             for n in names:
                 totals[n] += cell[n]["median"]
-            fixed = [n for n in names if n != "adaptive"]
-            best = max(fixed, key=lambda n: cell[n]["median"])
-            a, b = cell["adaptive"], cell[best]
-            verdict = "within spread" if a["max"] >= b["min"] else f"{a['median'] / b['median']:.2f}x of best"
+            best = max((n for n in names if n != "adaptive"), key=lambda n: cell[n]["median"])
+            ratios = [r[key + "adaptive"]["decode_tok_s"] / r[key + best]["decode_tok_s"] for r in repeats]
             rows.append(f"| {context} | {streams} | " + " | ".join(f"{cell[n]['median']:.1f}" for n in names)
-                        + f" | {best} | {verdict} |")
+                        + f" | {best} | {paired_verdict(ratios)} |")
     rows.append("\nSum of cell medians (tok/s): " + ", ".join(f"{n} {v:.1f}" for n, v in totals.items()))
     return "\n".join(rows)
 
@@ -320,7 +335,7 @@ def main(argv=None) -> int:
     summary = protocol.summarize(records)
     metrics = ["decode_tok_s", "acceptance"] + (["identical"] if args.part == "edit" else [])
     notes = f"Device: {dev}; adaptive policy: profile `{profile.name}`.\n\n" + (
-        edit_notes(records) if args.part == "edit" else grid_notes(summary, args.contexts, args.concurrency, args.ks))
+        edit_notes(records) if args.part == "edit" else grid_notes(records, summary, args.contexts, args.concurrency, args.ks))
     name = f"speculation-{args.part}" + (f"-{args.workload}" if args.part == "grid" else "")
     doc = protocol.result_document(name, records, summary,
                                    vars(args) | {"out": str(args.out), "device": dev, "profile": profile.name}, started,

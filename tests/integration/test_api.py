@@ -1,7 +1,8 @@
 """The OpenAI-compatible API through real HTTP against a running `pulse serve` (load-test backend).
 
 Covers every bad-input case of the foundation issue, streaming format, usage, and cancellation on
-client disconnect. The engine-backed end-to-end tests live in test_serve_engine.py.
+client disconnect. The real backends end to end: test_agent_api.py (engine and llama-server with the `openai`
+client), test_routing_e2e.py, test_speculation.py and the reliability tests.
 """
 from __future__ import annotations
 

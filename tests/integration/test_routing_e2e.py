@@ -58,12 +58,18 @@ async def test_second_turn_goes_to_the_prefix_holder_and_reports_cached_tokens(t
 
 
 async def test_hot_prefix_spreads_under_overload(two_workers):
+    """One at a time, every request with the hot prefix goes to its holder (random or round-robin routing
+    would send half elsewhere); eight at once overflow the holder's 2 slots and spread."""
     shared = [{"role": "system", "content": SYSTEM + "hot"}]
     async with aiohttp.ClientSession() as s:
-        await chat(s, two_workers.base, shared + [{"role": "user", "content": "warm up"}])
+        holder, _ = await chat(s, two_workers.base, shared + [{"role": "user", "content": "warm up"}])
         await asyncio.sleep(0.8)
+        alone = [await chat(s, two_workers.base, shared + [{"role": "user", "content": f"alone {i}"}])
+                 for i in range(5)]
         results = await asyncio.gather(*(chat(s, two_workers.base, shared + [{"role": "user", "content": f"task {i}"}],
                                               max_tokens=24) for i in range(8)))
+    assert [w for w, _ in alone] == [holder] * 5, (holder, alone)
+    assert all(d["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for _, d in alone)
     workers = [w for w, _ in results]
     assert len(set(workers)) == 2, workers  # the holder filled its 2 slots; the rest spread
 
