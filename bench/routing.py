@@ -88,6 +88,7 @@ class TraceSpec:
     edit_prob: float = 0.2  # chance a turn (from the 3rd on) rewrites a message in the middle of the history
     think_s: tuple[float, float] = (0.3, 1.0)
     seed: int = 1
+    session_ids: bool = True  # False: clients that send no x-session-id (sticky routing then has nothing to go on)
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -162,14 +163,15 @@ def prompt_builder(model: str | None = None):
 
 # ---- one replay --------------------------------------------------------------------------------------------
 
-async def send(session: aiohttp.ClientSession, base: str, model: str, messages: list[dict], sid: str,
+async def send(session: aiohttp.ClientSession, base: str, model: str, messages: list[dict], sid: str | None,
                max_tokens: int) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     rec = {"sent": time.perf_counter(), "status": 0, "ttft": None, "worker": None, "prompt": 0, "cached": 0,
            "error": None, "messages": messages}
     try:
-        async with session.post(base + "/v1/chat/completions", json=body, headers={"x-session-id": sid}) as resp:
+        headers = {"x-session-id": sid} if sid is not None else {}
+        async with session.post(base + "/v1/chat/completions", json=body, headers=headers) as resp:
             rec["status"], rec["worker"] = resp.status, resp.headers.get("x-pulse-worker")
             if resp.status != 200:
                 await resp.read()
@@ -193,13 +195,15 @@ async def send(session: aiohttp.ClientSession, base: str, model: str, messages: 
     return rec
 
 
-async def replay(base: str, model: str, trace, salt: str, max_tokens: int, timeout: float) -> tuple[list[dict], float]:
+async def replay(base: str, model: str, trace, salt: str, max_tokens: int, timeout: float,
+                 session_ids: bool = True) -> tuple[list[dict], float]:
     records: list[dict] = []
 
     async def one_session(i: int, turns) -> None:
         for think, msgs in turns:  # turns in order: an agent waits for its answer, thinks, sends the next
             await asyncio.sleep(think)
-            records.append(await send(http, base, model, msgs, f"{salt}-s{i}", max_tokens))
+            sid = f"{salt}-s{i}" if session_ids else None
+            records.append(await send(http, base, model, msgs, sid, max_tokens))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         start = time.perf_counter()
@@ -284,7 +288,8 @@ def make_measure(args, target: dict, counter, encode):
         salt = f"run {next(counter):03d}"
         trace = build_trace(args.trace, salt)
         before = await decision_buckets(target["base"])
-        recs, wall = await replay(target["base"], target["model"], trace, salt, args.max_tokens, args.timeout)
+        recs, wall = await replay(target["base"], target["model"], trace, salt, args.max_tokens, args.timeout,
+                                  args.trace.session_ids)
         after = await decision_buckets(target["base"])
         decision = bucket_quantile(before[DECISION_WALL], after[DECISION_WALL], 0.99)
         cpu_p99, cpu_le_1ms = bucket_quantile(before[DECISION_CPU], after[DECISION_CPU], 0.99)
@@ -420,6 +425,26 @@ def derive(records: Sequence[dict]) -> list[dict]:
     return out
 
 
+BASELINES = [s for s in STRATEGIES if s != "pulse"]
+
+
+def best_baseline(records: Sequence[dict]) -> list[str]:
+    """Pulse against the best simple baseline on TTFT p50 (the one a user would otherwise run), paired per
+    repeat, with that baseline's TTFT p99, hits and load beside Pulse's."""
+    summary = protocol.summarize(records)
+    baselines = [b for b in BASELINES if summary.get(b, {}).get("ttft_p50_ms")]
+    if "pulse" not in summary or not baselines:
+        return []
+    best = min(baselines, key=lambda b: summary[b]["ttft_p50_ms"]["median"])
+    ratios = [cfgs[best]["ttft_p50_ms"] / cfgs["pulse"]["ttft_p50_ms"]
+              for cfgs in protocol.by_repeat(records).values() if best in cfgs and "pulse" in cfgs]
+    r = protocol.spread(ratios)
+    side = [f"{k} {summary['pulse'][k]['median']:.2f} vs {summary[best][k]['median']:.2f}"
+            for k in ("ttft_p99_ms", "hit_vs_oracle", "load_max_over_mean") if k in summary[best]]
+    return [f"BEST BASELINE {best}: its TTFT p50 / pulse's, paired per repeat, median {r['median']:.2f} "
+            f"({r['min']:.2f}-{r['max']:.2f}); pulse vs {best}: " + ", ".join(side)]
+
+
 def verdict(summary: dict) -> list[str]:
     s = summary.get("pulse", {})
     lines = []
@@ -446,7 +471,7 @@ def report(args, records, targets, machine, started) -> None:
     summary = {s: summary[s] for s in args.strategies if s in summary}
     params = {k: v for k, v in vars(args).items() if k != "trace"} | {"trace": asdict(args.trace), "targets": targets}
     doc = protocol.result_document("routing", records, summary, params, started, machine)
-    doc["verdict"] = verdict(summary)
+    doc["verdict"] = best_baseline(records) + verdict(summary)
     table = protocol.markdown_table(summary, TABLE_METRICS, digits=2)
     paths = protocol.write_result(doc, table, PLOT_METRICS, args.out, notes="\n".join(doc["verdict"]))
     print(f"\n`{doc['command']}`\n\nMachine: {describe(machine)}\n\n{table}\n\n" + "\n".join(doc["verdict"]))
@@ -477,6 +502,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--stagger", type=float, default=5.0, help="seconds between starting the servers")
     ap.add_argument("--start-timeout", type=float, default=420.0)
+    ap.add_argument("--no-session-ids", action="store_true",
+                    help="clients send no x-session-id (agents that do not), so session-sticky has nothing to use")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="start and stop a server per run (cold, one server's memory at a time) instead of "
                          "keeping one server per strategy up for the whole run")
@@ -484,7 +511,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.trace = TraceSpec(sessions=args.sessions, turns=args.turns, system_words=args.system_words,
                            tool_words=tuple(args.tool_words), edit_prob=args.edit_prob, seed=args.seed,
-                           think_s=tuple(args.think))
+                           think_s=tuple(args.think), session_ids=not args.no_session_ids)
     return args
 
 

@@ -1,6 +1,7 @@
 """bench/routing.py's pure parts: the agent trace, the oracle, and the per-request queue trace."""
 from __future__ import annotations
 
+from bench import routing
 from bench.routing import TraceSpec, build_trace, oracle_hits, request_trace, run_metrics
 
 
@@ -41,3 +42,22 @@ def test_request_trace_counts_the_prefill_queued_ahead():
     assert m["uncached_per_req"] == (100 + 80 + 20 + 50) / 4
     assert m["oracle_uncached_per_req"] == (100 + 80 + 20 + 10) / 4
     assert m["load_max_over_mean"] == 1.5 and m["rejections"] == 0
+
+
+def test_the_verdict_names_the_best_baseline_paired_per_repeat():
+    def rec(repeat, config, p50, p99=100.0, hits=0.9, load=1.0):
+        return {"phase": "measure", "repeat": repeat, "config": config,
+                "metrics": {"ttft_p50_ms": p50, "ttft_p99_ms": p99, "hit_vs_oracle": hits, "load_max_over_mean": load}}
+
+    records = [rec(0, "pulse", 50, load=1.0), rec(0, "round_robin", 150), rec(0, "session_sticky", 55, load=2.0),
+               rec(1, "pulse", 100, load=1.0), rec(1, "round_robin", 300), rec(1, "session_sticky", 100, load=2.0)]
+    [line] = routing.best_baseline(records)
+    assert line.startswith("BEST BASELINE session_sticky: its TTFT p50 / pulse's, paired per repeat, median 1.05 "
+                           "(1.00-1.10)")
+    assert "load_max_over_mean 1.00 vs 2.00" in line
+
+
+def test_a_trace_without_session_ids_sends_none():
+    args = routing._parse(["--no-session-ids"])
+    assert args.trace.session_ids is False
+    assert routing._parse([]).trace.session_ids is True
