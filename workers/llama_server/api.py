@@ -9,7 +9,7 @@ import json
 
 import msgspec
 
-from workers.protocol import BackendError, GenerateRequest, TokenLogprob, Usage
+from workers.protocol import BackendError, GenerateRequest, SamplingParams, TokenLogprob, Usage
 
 
 class Timings(msgspec.Struct):
@@ -66,10 +66,7 @@ def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
         "cache_prompt": True,
         "return_tokens": True,
         "id_slot": -1 if id_slot is None else id_slot,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,  # llama-server's own default is 0.05: always send Pulse's
+        **sampler_settings(s),
         "response_fields": RESPONSE_FIELDS,
     }
     if s.seed is not None:
@@ -83,6 +80,31 @@ def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
     if req.grammar is not None:
         body["json_schema"] = _schema(req.grammar)
     return _encode(body)
+
+
+def sampler_settings(s: SamplingParams) -> dict:
+    """llama-server's sampler fields for `s`: the same distribution, by the cheapest path llama.cpp has.
+
+    llama.cpp (build 11434, common/sampling.cpp) samples on the host: every token it copies all the
+    logits (262k for Gemma 3) into a candidate array and runs the chain penalties, dry, top_n_sigma,
+    top_k, typical, top_p, min_p, xtc, temperature, then `dist`. Samplers at their neutral values
+    return at once; `dist` takes a softmax (one expf per candidate) over whatever the chain left.
+    - Greedy (temperature <= 0): `top_k 1`. Top-k 1 keeps the first highest logit in one pass
+      (std::partial_sort of one element), so `dist` sees one candidate; temperature 0 with top_k 0
+      reaches the same token only after the softmax over the whole vocabulary. Same token, ties
+      included (both keep the first maximum). With a grammar the chain runs again after the grammar
+      when its pick is rejected, so top_k 1 picks the best allowed token, as greedy must.
+    - Sampled: the fields as given, top_k 0 (off) and min_p 0 by default. Nothing sorts the vocabulary
+      here: top_p 1 and min_p 0 return at once, top_p < 1 sorts only the top 256 unless they hold less
+      than p. The softmax over the whole vocabulary is what sampling from it costs; llama-server's own
+      defaults (top_k 40, top_p 0.95, min_p 0.05) are cheaper because they change the distribution,
+      so they are not sent (min_p in particular must always be sent: its default is 0.05, not 0).
+    Logprobs come from the raw logits (llama-server's pre-sampling probabilities), so top_k 1 does not
+    change them.
+    """
+    if s.temperature <= 0.0:
+        return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+    return {"temperature": s.temperature, "top_k": max(0, s.top_k), "top_p": s.top_p, "min_p": s.min_p}
 
 
 def _schema(grammar: str) -> dict:
