@@ -37,7 +37,7 @@ def test_direct_body_is_what_the_backend_sends_for_a_greedy_request():
     body = direct_body([2, 10, 11], 4)
     assert body["prompt"] == [2, 10, 11] and body["n_predict"] == 4 and body["stream"] is True
     assert body["id_slot"] == -1 and body["cache_prompt"] is True
-    assert (body["temperature"], body["top_k"], body["min_p"]) == (0.0, 0, 0.0)
+    assert (body["temperature"], body["top_k"], body["min_p"]) == (0.0, 1, 0.0)  # greedy: one candidate
     # and the llama api sends it as given
     path, sent = request_body(LoadSpec(url="x", api="llama", prompt=[2, 10, 11], max_tokens=4, body_extra=body))
     assert path == "/completion" and sent == body
