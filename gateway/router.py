@@ -14,12 +14,14 @@ prefix hits: load and session affinity only, and `index_ok` is False (count it i
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import cachetools
 import msgspec
 
 from cache.hashing import ROOT_HASH, chain_hashes, chain_hashes_packed, pack_tokens
@@ -47,7 +49,7 @@ class PrefixRouter:
         self.index = index
         self.cfg = cfg
         self.sessions_max = sessions_max
-        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> last worker id
+        self._sessions: cachetools.LRUCache = cachetools.LRUCache(maxsize=sessions_max)  # session -> last worker
         # conversations seen within cfg.session_idle_s, oldest first, and how many each worker holds
         self._live: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session id -> (worker id, last seen)
         self._live_count: Counter[str] = Counter()
@@ -57,13 +59,13 @@ class PrefixRouter:
     async def choose(self, workers: Sequence, gen) -> RouteResult:
         """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
         t0 = time.perf_counter()
-        hits, index_ok, hashes, cpu_s = await self._hits(workers, gen.prompt_ids, gen.session_id)
+        session = session_key(gen.session_id)
+        hits, index_ok, hashes, cpu_s = await self._hits(workers, gen.prompt_ids, session)
         lookup_s = time.perf_counter() - t0
         c0 = time.thread_time()  # CPU, not wall: on a busy box the thread may lose the core mid-decision
         self._expire_live(time.monotonic())
         shared = shared_pending(workers)
         loads = [load_of(w, self._live_count[w.worker_id], shared.get(w.worker_id, 0)) for w in workers]
-        session = gen.session_id
         request = RouteRequest(
             prompt_tokens=len(gen.prompt_ids),
             max_tokens=gen.max_tokens,
@@ -97,9 +99,6 @@ class PrefixRouter:
 
     def _remember(self, session: str, worker_id: str) -> None:
         self._sessions[session] = worker_id
-        self._sessions.move_to_end(session)
-        if len(self._sessions) > self.sessions_max:
-            self._sessions.popitem(last=False)
         before = self._live.pop(session, None)
         if before is not None:
             self._live_count[before[0]] -= 1
@@ -154,15 +153,25 @@ class SessionHashes:
 
     Agents resend their whole context every turn; hashing 16k tokens costs ~1-2 ms of gateway CPU. When
     a session's new prompt starts with the tokens its last prompt's full blocks covered (a byte compare),
-    those hashes are reused and only the rest is hashed (chain_hashes from the last reused hash). Bounded
-    by `max_bytes` of stored token bytes, least recently used first out.
+    those hashes are reused and only the rest is hashed (chain_hashes from the last reused hash). An LRU
+    bounded by `max_bytes` of what entries hold (`entry_bytes`: the id, the tokens, the hashes and a fixed
+    overhead, so even a prompt shorter than one block costs its share): a flood of distinct session ids
+    evicts old sessions, it cannot grow the map.
     """
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[int, bytes, list[int]]] = OrderedDict()  # session -> (bs, tokens, hashes)
-        self._bytes = 0
+        # session -> (block size, covered token bytes, hashes, session): the id is in the value so that
+        # `entry_bytes` (cachetools sizes values only) counts it
+        self._entries: cachetools.LRUCache = cachetools.LRUCache(maxsize=max(1, max_bytes), getsizeof=entry_bytes)
         self.reused_blocks = 0  # for metrics and tests
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._entries.currsize)
 
     def chain(self, session: str | None, ids: list[int], block_size: int) -> list[int]:
         if not session or self.max_bytes <= 0:
@@ -178,7 +187,7 @@ class SessionHashes:
         entry = self._entries.get(session)
         if entry is None or entry[0] != block_size:
             return []
-        _, covered, hashes = entry
+        _, covered, hashes, _ = entry
         if raw.startswith(covered):
             self.reused_blocks += len(hashes)
             return list(hashes)
@@ -197,11 +206,28 @@ class SessionHashes:
         return list(hashes[:keep])
 
     def _store(self, session: str, block_size: int, covered: bytes, hashes: list[int]) -> None:
-        old = self._entries.pop(session, None)
-        if old is not None:
-            self._bytes -= len(old[1])
-        self._entries[session] = (block_size, covered, hashes)
-        self._bytes += len(covered)
-        while self._bytes > self.max_bytes and self._entries:
-            _, (_, dropped, _) = self._entries.popitem(last=False)
-            self._bytes -= len(dropped)
+        self._entries.pop(session, None)
+        entry = (block_size, covered, tuple(hashes), session)
+        if entry_bytes(entry) <= self.max_bytes:  # one larger than the whole cache is not kept
+            self._entries[session] = entry
+
+
+ENTRY_OVERHEAD = 256  # the LRU's node and key slot, the tuple, the bytes and list headers (measured ~250)
+
+
+def entry_bytes(entry: tuple) -> int:
+    """What one SessionHashes entry holds: its tokens, 8-byte hashes (tuple slot; ints above 2**30 are
+    objects of their own: 32 bytes), its session id, and a fixed overhead."""
+    _, covered, hashes, key = entry
+    return ENTRY_OVERHEAD + len(key) + len(covered) + 40 * len(hashes)
+
+
+def session_key(session: str | None) -> str | None:
+    """The id the router keys a conversation by: the client's own, or, past MAX_SESSION_KEY characters, its
+    digest, so what a client sends in a header bounds neither the maps' bytes nor the work per request."""
+    if session is None or len(session) <= MAX_SESSION_KEY:
+        return session
+    return "#" + hashlib.blake2b(session.encode(errors="surrogatepass"), digest_size=16).hexdigest()
+
+
+MAX_SESSION_KEY = 128

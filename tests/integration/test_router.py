@@ -78,7 +78,7 @@ def test_session_hashes_match_a_fresh_hash_and_reuse_blocks():
     assert cache.chain("s", turn1[:40], 16) == chain_hashes(turn1[:40], 16)  # shorter than before
     assert cache.chain("s", edited, 8) == chain_hashes(edited, 8)  # another block size: no reuse
     assert cache.chain(None, turn1, 16) == chain_hashes(turn1, 16)
-    small = SessionHashes(6000)  # room for one 1,000-token prompt (3,968 bytes of full blocks)
+    small = SessionHashes(8000)  # room for one 1,000-token prompt (6,705 bytes: 3,968 of blocks, 62 hashes, overhead)
     small.chain("a", turn1, 16)
     small.chain("b", turn1, 16)
     small.chain("a", turn2, 16)
