@@ -4,11 +4,14 @@
                            prefill/decode steps, gelu * up, argmax, graph input preparation
 - cublas.py                cublasGemmEx via ctypes (capturable in CUDA graphs, unlike CuPy's cuBLAS calls)
 - gemma3.py                GpuGemma3: the model on those kernels, same interface as workers/cupy/gemma3.Gemma3
+- llama.py, llama.cu       GpuLlama: Llama-family models on the same machinery (RoPE + KV write, residual norm,
+                           silu * up kernels; GQA through the shared attention kernel)
 - graphs.py                decode steps captured once per batch size and replayed
 - NOTES.md                 measurements, predictions and outcomes (the GPU work log)
 
 Hook: `create_gpu_engine` builds the same Engine (scheduler, paged KV with prefix reuse, sampler) around
-GpuGemma3. The worker's backend uses it when the array module is CuPy.
+the architecture's GPU model (models.build_gpu_model). The worker's backend uses it when the array
+module is CuPy.
 """
 from __future__ import annotations
 
@@ -46,21 +49,18 @@ class GpuSampler(Sampler):
 def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, max_num_seqs: int,
                       max_step_tokens: int, context_length: int, block_sink=None, seed: int | None = None,
                       act: str = "float16", graph_sizes=None, window_pool: bool = True, **_ignored):
-    """An Engine whose model is GpuGemma3 (fp16/bf16 weights, CUDA graphs for decode batches up to
-    max_num_seqs). Same arguments as workers.cupy.engine.create_engine (`window_pool`: the sliding-window
-    layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored."""
+    """An Engine whose model is the architecture's GPU model (models.build_gpu_model: fp16/bf16 weights, CUDA
+    graphs for decode batches up to max_num_seqs). Same arguments as workers.cupy.engine.create_engine
+    (`window_pool`: the sliding-window layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored."""
     from workers.cupy.engine import Engine
-    from workers.cupy.gemma3 import Gemma3Config
-    from workers.cupy.gpu.gemma3 import GpuGemma3
     from workers.cupy.kv_cache import BlockManager, plan_for
+    from workers.cupy.models import build_gpu_model
     from workers.cupy.scheduler import Scheduler
 
-    if info.architecture != "gemma3":
-        raise ValueError(f"the GPU engine runs gemma3 only (got {info.architecture!r})")
     if graph_sizes is None:
         graph_sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_num_seqs) + (max_num_seqs,)
-    cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
-    model = GpuGemma3(cfg, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length)
+    model = build_gpu_model(info, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length)
+    cfg = model.cfg
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, num_local=plan.num_local)
     blocks = BlockManager.from_plan(plan, block_size, block_sink)

@@ -78,3 +78,25 @@ __device__ __forceinline__ void load8(const act_t* p, float* f) {
   }
 }
 
+// Load one lane's LANE_DIMS consecutive activations as floats in one load: 16 bytes for head_dim 256 (load8),
+// 8 for 128, 4 for 64 (Llama-family heads).
+__device__ __forceinline__ void load_lane(const act_t* p, float* f) {
+#if LANE_DIMS == 8
+  load8(p, f);
+#elif LANE_DIMS == 4
+  uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const act2_t* h2 = reinterpret_cast<const act2_t*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 2; e++) {
+    float2 x = to_f2(h2[e]);
+    f[2 * e] = x.x;
+    f[2 * e + 1] = x.y;
+  }
+#elif LANE_DIMS == 2
+  float2 x = to_f2(*reinterpret_cast<const act2_t*>(p));
+  f[0] = x.x;
+  f[1] = x.y;
+#else
+#error "head dims per lane: 2, 4 or 8 (HEAD_DIM 64, 128 or 256)"
+#endif
+}

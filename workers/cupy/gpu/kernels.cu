@@ -194,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 #pragma unroll
       for (int e = 0; e < LANE_DIMS; e++) qr[g][e] = qs[g][lane * LANE_DIMS + e];
     } else {
-      load8(q + ((size_t)t * NH + kvh * GROUP + g) * HEAD_DIM + lane * LANE_DIMS, qr[g]);
+      load_lane(q + ((size_t)t * NH + kvh * GROUP + g) * HEAD_DIM + lane * LANE_DIMS, qr[g]);
     }
 #pragma unroll
     for (int e = 0; e < LANE_DIMS; e++) {
@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (j < n) {
           const int kp = c0 + j;
           const size_t slot = (size_t)sbt[kp / block_size - b0] * block_size + kp % block_size;
-          load8(kc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, kf[u]);
+          load_lane(kc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, kf[u]);
         }
       }
 #pragma unroll
@@ -280,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (j < n) {
           const int kp = c0 + j;
           const size_t slot = (size_t)sbt[kp / block_size - b0] * block_size + kp % block_size;
-          load8(vc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, vf[u]);
+          load_lane(vc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, vf[u]);
         }
       }
 #pragma unroll
