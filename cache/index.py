@@ -78,5 +78,10 @@ class PrefixIndex(abc.ABC):
         else:
             raise ValueError(f"unknown block event kind {kind!r}")
 
+    def held(self) -> dict[str, int] | None:
+        """Blocks indexed per worker, when the index can tell without a round trip (the status page shows
+        it); None when it cannot."""
+        return None
+
     async def close(self) -> None:
         return None

@@ -138,6 +138,10 @@ class MemoryPrefixIndex(PrefixIndex):
         if owned is not None:
             owned.discard(h)
 
+    def held(self) -> dict[str, int]:
+        """Blocks indexed per worker (lapsed ones included until swept)."""
+        return {w: len(owned) for w, owned in self._by_worker.items()}
+
     def __len__(self) -> int:
         """(block, worker) entries held, lapsed ones included until swept."""
         return sum(len(v) for v in self._blocks.values())
