@@ -7,9 +7,12 @@ import time
 
 from aiohttp import web
 
+from gateway.anthropic_api import MessagesAPI, anthropic_error_response
 from gateway.completions import CompletionService
 from gateway.errors import APIError, error_response
 from gateway.pool import WorkerPool
+from gateway.response_store import open_response_store
+from gateway.responses_api import ResponsesAPI
 
 log = logging.getLogger("pulse.gateway")
 
@@ -30,6 +33,9 @@ class Gateway:
         app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        # the Responses and Messages APIs: adapters onto the same chat core (gateway/completions.py)
+        ResponsesAPI(self.service, open_response_store(self.service.cfg)).add_routes(app.router, self._body)
+        MessagesAPI(self.service).add_routes(app.router, self._body)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -39,21 +45,23 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        # each API's errors in its own shape: Anthropic's on /v1/messages*, OpenAI's everywhere else
+        render = anthropic_error_response if request.path.startswith("/v1/messages") else error_response
         try:
             return await handler(request)
         except APIError as e:
-            return error_response(e)
+            return render(e)
         except web.HTTPRequestEntityTooLarge as e:
-            return error_response(APIError(413, f"request body too large: {e.text}", code="body_too_large"))
+            return render(APIError(413, f"request body too large: {e.text}", code="body_too_large"))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return error_response(APIError(e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")))
+            return render(APIError(e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")))
         except (ConnectionResetError,):
             raise
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(APIError(500, "internal error", code="internal_error"))
+            return render(APIError(500, "internal error", code="internal_error"))
 
     async def _body(self, request: web.Request) -> bytes:
         if self.draining:

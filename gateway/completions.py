@@ -1,7 +1,11 @@
-"""The two generation endpoints: request -> prompt ids -> a worker -> tokens back to the client.
+"""The chat core every generation endpoint runs: request -> prompt ids -> a worker -> tokens back.
 
 Hot path. The first token is flushed at once; a worker that fails before the first byte is retried
 elsewhere; after it, the client gets one in-band SSE error event and the stream closes.
+
+Each API (chat and text completions here; the Responses and Messages adapters elsewhere) is a `prepare`
+function that turns its body into a `Call` (a GenerateRequest plus that protocol's `Events` writer);
+`CompletionService.serve` then does the same auth, quota, admission, routing and relay for all of them.
 """
 from __future__ import annotations
 
@@ -40,6 +44,66 @@ _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
 
+@dataclass
+class Call:
+    """One accepted generation, whatever protocol it came in: what the chat core needs to run it."""
+
+    model: str
+    gen: GenerateRequest
+    stream: bool
+    events: "Events"
+    operation: str = "chat"  # gen_ai.operation.name
+
+
+class Events:
+    """How one protocol writes a generation back; each API adapter subclasses it.
+
+    `delta` gives the SSE bytes of output text (`first`: the stream's first write, which opens it);
+    `end` the final events, after any async work that must finish before the client sees the end (a
+    stored response); `error` one in-band error event after output has started; `whole` the body of a
+    non-streamed answer."""
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None, first: bool) -> bytes:
+        raise NotImplementedError
+
+    async def end(self, finish: str, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+    def error(self, message: str) -> bytes:
+        return _error_event(message)
+
+    async def whole(self, text: str, finish: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict:
+        raise NotImplementedError
+
+
+class ChatEvents(Events):
+    """Chat and text completions: OpenAI chunks as `data:` lines, then `data: [DONE]`."""
+
+    def __init__(self, shaper, include_usage: bool):
+        self.shaper, self.include_usage = shaper, include_usage
+
+    def delta(self, text, logprobs, first) -> bytes:
+        return _event(self.shaper.stream_chunk(text, None, logprobs, first))
+
+    async def end(self, finish, usage) -> bytes:
+        out = [_event(self.shaper.stream_chunk("", finish, None, False))]
+        if self.include_usage:
+            out.append(_event(self.shaper.usage_chunk(usage)))
+        out.append(DONE)
+        return b"".join(out)
+
+    async def whole(self, text, finish, usage, logprobs) -> dict:
+        return self.shaper.whole(text, finish, usage, logprobs)
+
+
+def credentials(headers) -> str | None:
+    """The Authorization header, or an `x-api-key` (Anthropic's clients) as a bearer token."""
+    auth = headers.get("Authorization")
+    if auth or not headers.get("x-api-key"):
+        return auth
+    return "Bearer " + headers["x-api-key"]
+
+
 class CompletionService:
     def __init__(self, config: PulseConfig, builder: PromptBuilder, dispatcher: Dispatcher, auth: KeyAuth, *,
                  token_text, metrics, tracer):
@@ -51,7 +115,10 @@ class CompletionService:
 
     # ---- request -> GenerateRequest ------------------------------------------------------------
     def parse_chat(self, body: bytes) -> tuple[ChatRequest, GenerateRequest]:
-        req = decode(body, ChatRequest)
+        return self.chat_request(decode(body, ChatRequest))
+
+    def chat_request(self, req: ChatRequest) -> tuple[ChatRequest, GenerateRequest]:
+        """A decoded chat request -> its GenerateRequest: the one templating and tokenization of every API."""
         validate_chat(req, max_messages=self.cfg.server.max_messages, **self._limits)
         self._check_model(req.model)
         plan = agent_tools.plan_chat(req)  # tools, tool_choice, response_format (400s name the parameter)
@@ -114,6 +181,22 @@ class CompletionService:
 
     # ---- responses -----------------------------------------------------------------------------
     async def respond(self, request: web.Request, kind: str, body: bytes) -> web.StreamResponse:
+        """POST /v1/chat/completions (kind "chat") and /v1/completions ("completion")."""
+        async def prepare(body: bytes, key) -> Call:
+            req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
+            shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
+            if kind == "chat":
+                shaper = agent_tools.ToolShaper.wrap(req, shaper)  # tool calls out of the text
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return Call(req.model, gen, req.stream, ChatEvents(shaper, include_usage),
+                        "chat" if kind == "chat" else "text_completion")
+
+        return await self.serve(request, "chat" if kind == "chat" else "completions", prepare, body)
+
+    async def serve(self, request: web.Request, api: str, prepare, body: bytes) -> web.StreamResponse:
+        """Run one generation request of any API: `await prepare(body, key)` gives its Call; `api` labels
+        its metrics. Auth, quota, admission, routing, the relay and the accounting are the same for all."""
         start = time.perf_counter()
         ctx = tm.extract_context(request.headers)
         with self.tracer.start_as_current_span(f"{request.method} {request.path}", context=ctx,
@@ -122,29 +205,23 @@ class CompletionService:
             completion_tokens = 0
             try:
                 with self.tracer.start_as_current_span(tm.SPAN_ADMISSION + ".auth"):
-                    key = await self.auth.authenticate(request.headers.get("Authorization"))
-                req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
+                    key = await self.auth.authenticate(credentials(request.headers))
+                call = await prepare(body, key)
+                gen = call.gen
                 grant = await self.auth.acquire(key, len(gen.prompt_ids))
-                tm.set_request_attributes(span, model=req.model, operation="chat" if kind == "chat" else
-                                          "text_completion", max_tokens=gen.max_tokens,
+                gen.session_id = request.headers.get("x-session-id") or gen.session_id
+                tm.set_request_attributes(span, model=call.model, operation=call.operation, max_tokens=gen.max_tokens,
                                           temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
-                                          seed=gen.sampling.seed, stream=req.stream,
-                                          session_id=request.headers.get("x-session-id"))
-                gen.session_id = request.headers.get("x-session-id")
+                                          seed=gen.sampling.seed, stream=call.stream, session_id=gen.session_id)
                 gen.trace_context = tm.inject_context()
-                rm = self.metrics.request(req.model, start)
-                rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
-                shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
-                if kind == "chat":
-                    shaper = agent_tools.ToolShaper.wrap(req, shaper)  # tool calls out of the text
+                rm = self.metrics.request(call.model, start, api=api)
                 ticket = await self.dispatcher.open(gen)
                 worker, it, first = ticket.worker, ticket.chunks, ticket.first
                 span.set_attribute(tm.PULSE_WORKER, worker.worker_id)
                 try:
-                    if req.stream:
-                        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                        return await self._stream(request, shaper, worker, it, first, include_usage, rm, span)
-                    return await self._whole(shaper, worker, it, first, rm, span)
+                    if call.stream:
+                        return await self._stream(request, call.events, worker, it, first, rm, span)
+                    return await self._whole(call.events, worker, it, first, rm, span)
                 finally:
                     completion_tokens = rm.tokens
                     self.dispatcher.close(ticket)
@@ -152,7 +229,7 @@ class CompletionService:
                 if rm is not None:
                     rm.finish(e.status)
                 else:
-                    self.metrics.record_request(self.cfg.model.name, e.status, time.perf_counter() - start)
+                    self.metrics.record_request(self.cfg.model.name, e.status, time.perf_counter() - start, api=api)
                 span.set_attribute("http.response.status_code", e.status)
                 raise
             finally:
@@ -166,7 +243,7 @@ class CompletionService:
         async for batch in it:
             yield batch
 
-    async def _whole(self, shaper: Shaper, worker: WorkerState, it, first: list[Chunk], rm, span) -> web.Response:
+    async def _whole(self, events: Events, worker: WorkerState, it, first: list[Chunk], rm, span) -> web.Response:
         parts: list[str] = []
         lps: list[TokenLogprob] | None = None
         final: Chunk | None = None
@@ -188,14 +265,14 @@ class CompletionService:
             msg = final.error if final and final.error else "the worker stream ended without a result"
             raise APIError(503, f"generation failed on worker {worker.worker_id}: {msg}", code="worker_failed")
         usage = final.usage or Usage()
-        body = shaper.whole("".join(parts), _finish(final), usage, lps)
+        body = await events.whole("".join(parts), _finish(final), usage, lps)
         rm.finish(200, usage)
         tm.set_usage_attributes(span, usage, _finish(final))
         return web.Response(body=_json.encode(body), content_type="application/json",
                             headers={"x-pulse-worker": worker.worker_id})
 
-    async def _stream(self, request: web.Request, shaper: Shaper, worker: WorkerState, it, first: list[Chunk],
-                      include_usage: bool, rm, span) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, events: Events, worker: WorkerState, it, first: list[Chunk],
+                      rm, span) -> web.StreamResponse:
         """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
         the first batch goes out as soon as it arrives."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -205,36 +282,33 @@ class CompletionService:
         try:
             async for batch in self._batches(it, first):
                 rm.chunk(sum(len(c.token_ids) for c in batch))
-                events: list[bytes] = []
+                pending: list[bytes] = []
                 for c in batch:
                     if c.finish_reason == "error":
                         rm.finish("stream_error")
-                        events.append(_error_event(c.error or "generation failed"))
-                        await out.write(b"".join(events))
+                        pending.append(events.error(c.error or "generation failed"))
+                        await out.write(b"".join(pending))
                         return out
                     if c.text or c.logprobs or is_first:
-                        events.append(_event(shaper.stream_chunk(c.text, None, c.logprobs, is_first)))
+                        pending.append(events.delta(c.text, c.logprobs, is_first))
                         is_first = False
                     if c.finish_reason is not None:
                         usage = c.usage or Usage()
-                        events.append(_event(shaper.stream_chunk("", _finish(c), None, False)))
+                        pending.append(await events.end(_finish(c), usage))
                         rm.finish(200, c.usage)
                         tm.set_usage_attributes(span, usage, _finish(c))
-                        if include_usage:
-                            events.append(_event(shaper.usage_chunk(usage)))
-                        events.append(DONE)
-                        await out.write(b"".join(events))
+                        await out.write(b"".join(pending))
                         return out
-                if events:
-                    await out.write(b"".join(events))
+                if pending:
+                    await out.write(b"".join(pending))
             rm.finish("stream_error")
-            await _sse_error(out, "the worker stream ended without a result")
+            await _sse_error(out, events, "the worker stream ended without a result")
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: closing the upstream (finally in respond) cancels the generation
         except Exception as e:  # after the first byte: one in-band error event, then close
             log.warning("stream from %s failed: %s", worker.worker_id, e)
             rm.finish("stream_error")
-            await _sse_error(out, f"worker {worker.worker_id} failed mid-stream")
+            await _sse_error(out, events, f"worker {worker.worker_id} failed mid-stream")
         return out
 
 
@@ -250,8 +324,8 @@ def _error_event(message: str) -> bytes:
     return _event(error_body(503, message, None, "worker_failed"))
 
 
-async def _sse_error(out: web.StreamResponse, message: str) -> None:
+async def _sse_error(out: web.StreamResponse, events: Events, message: str) -> None:
     try:
-        await out.write(_error_event(message))
+        await out.write(events.error(message))
     except (ConnectionResetError, RuntimeError):
         pass

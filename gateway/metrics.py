@@ -51,8 +51,8 @@ class GatewayMetrics:
         self._models: dict[str, ModelMetrics] = {}
         self._rejections: dict[str, Any] = {}
         r = self.registry
-        self.requests = Counter("pulse_requests", "Requests finished, by HTTP status and model.",
-                                ["model", "status"], registry=r)
+        self.requests = Counter("pulse_requests", "Requests finished, by model, API and HTTP status.",
+                                ["model", "api", "status"], registry=r)
         self.ttft = Histogram("pulse_time_to_first_token_seconds", "Request arrival to the first streamed token.",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pulse_inter_token_latency_seconds",
@@ -101,18 +101,19 @@ class GatewayMetrics:
             mm = self._models[name] = ModelMetrics(self, name)
         return mm
 
-    def request(self, model: str, start: float | None = None) -> RequestMetrics:
+    def request(self, model: str, start: float | None = None, *, api: str = "chat") -> RequestMetrics:
         """Start timing one request (counts it in flight). Call `.chunk(n)` per streamed chunk and
-        `.finish(status, usage)` once at the end, in a `finally`. `start` is a time.perf_counter()."""
-        return RequestMetrics(self.model(model), self.in_flight, start)
+        `.finish(status, usage)` once at the end, in a `finally`. `start` is a time.perf_counter();
+        `api` the endpoint's protocol (chat, completions, responses, messages: a fixed word, not client input)."""
+        return RequestMetrics(self.model(model), self.in_flight, start, api)
 
     def record_request(self, model: str, status: int | str, duration_s: float, usage: Any = None,
-                       ttft_s: float | None = None) -> None:
+                       ttft_s: float | None = None, *, api: str = "chat") -> None:
         """One-shot record of a request timed elsewhere (non-streamed, or refused before a worker)."""
         mm = self.model(model)
         if ttft_s is not None:
             mm.ttft.observe(ttft_s)
-        mm.finish(status, duration_s, usage)
+        mm.finish(status, duration_s, usage, api)
 
     # --- gateway decisions -----------------------------------------------------------------------
 
@@ -168,11 +169,11 @@ class ModelMetrics:
         self._requests = parent.requests
         self._by_status: dict[str, Any] = {}
 
-    def finish(self, status: int | str, duration_s: float, usage: Any = None) -> None:
-        key = str(status)
+    def finish(self, status: int | str, duration_s: float, usage: Any = None, api: str = "chat") -> None:
+        key = (api, str(status))
         child = self._by_status.get(key)
         if child is None:
-            child = self._by_status[key] = self._requests.labels(model=self.name, status=key)
+            child = self._by_status[key] = self._requests.labels(model=self.name, api=api, status=key[1])
         child.inc()
         self.duration.observe(duration_s)
         if usage is not None:
@@ -187,10 +188,10 @@ class ModelMetrics:
 class RequestMetrics:
     """Timing of one request: TTFT on the first chunk, inter-token latency on each later one."""
 
-    __slots__ = ("_mm", "_in_flight", "start", "last", "first_token_s", "done", "tokens")
+    __slots__ = ("_mm", "_in_flight", "api", "start", "last", "first_token_s", "done", "tokens")
 
-    def __init__(self, mm: ModelMetrics, in_flight: Gauge, start: float | None = None):
-        self._mm, self._in_flight = mm, in_flight
+    def __init__(self, mm: ModelMetrics, in_flight: Gauge, start: float | None = None, api: str = "chat"):
+        self._mm, self._in_flight, self.api = mm, in_flight, api
         self.start = self.last = start if start is not None else time.perf_counter()
         self.first_token_s: float | None = None
         self.done = False
@@ -215,7 +216,7 @@ class RequestMetrics:
             return
         self.done = True
         now = now if now is not None else time.perf_counter()
-        self._mm.finish(status, now - self.start, usage)
+        self._mm.finish(status, now - self.start, usage, self.api)
         self._in_flight.dec()
 
 

@@ -270,6 +270,23 @@ class KeysConfig(PulseModel):
     )
 
 
+class ResponsesConfig(PulseModel):
+    """Stored responses of the Responses API (gateway/response_store.py): Redis at redis.url, else in process."""
+
+    ttl_s: float = Field(
+        7 * 24 * 3600.0, gt=0, description="A stored response (and the conversation behind it) expires this long after "
+        "it was written; `previous_response_id` naming it then answers 404."
+    )
+    max_entry_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest stored response with its conversation; a larger one is "
+        "answered but not stored (its `store` reads false)."
+    )
+    memory_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, description="In-process store only (no redis.url): total bytes kept; the least "
+        "recently used responses go first."
+    )
+
+
 class TelemetryConfig(PulseModel):
     traces_exporter: Literal["none", "console", "otlp", "memory"] | None = Field(
         None, description="Span exporter; empty: from OTEL_TRACES_EXPORTER (default none)."
@@ -288,3 +305,4 @@ class PulseConfig(PulseModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Worker choice: prefix vs load.")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission queue and limits.")
     keys: KeysConfig = Field(default_factory=KeysConfig, description="API keys and per-key limits.")
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig, description="Stored Responses API responses.")

@@ -72,6 +72,6 @@ def test_metrics_after_traffic_show_every_documented_metric(traced_server):
     missing = [n for n, _ in documented if n.removesuffix("_total") not in names]
     assert not missing, missing
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-    assert samples[("pulse_requests_total", (("model", "gemma-3-270m"), ("status", "200")))] >= 2
+    assert samples[("pulse_requests_total", (("api", "chat"), ("model", "gemma-3-270m"), ("status", "200")))] >= 2
     assert any(n == "pulse_worker_running_sequences" for n, _ in samples)
     assert samples[("pulse_generated_tokens_total", (("model", "gemma-3-270m"),))] >= 8

@@ -91,8 +91,8 @@ def test_request_values():
     traffic(m)
     s = samples(m)
     model = ("model", "gemma-3-270m")
-    assert s[("pulse_requests_total", (model, ("status", "200")))] == 1
-    assert s[("pulse_requests_total", (model, ("status", "429")))] == 1
+    assert s[("pulse_requests_total", (("api", "chat"), model, ("status", "200")))] == 1
+    assert s[("pulse_requests_total", (("api", "chat"), model, ("status", "429")))] == 1
     assert s[("pulse_time_to_first_token_seconds_sum", (model,))] == pytest.approx(0.05)
     # second chunk: 40 ms gap carrying 2 tokens -> one ITL observation of 20 ms
     assert s[("pulse_inter_token_latency_seconds_count", (model,))] == 1
@@ -116,8 +116,8 @@ def test_finish_is_recorded_once_and_models_are_capped():
         m.record_request(name, 200, 0.1)
     s = samples(m)
     assert s[("pulse_requests_in_flight", ())] == 0
-    assert ("pulse_requests_total", (("model", "a"), ("status", "500"))) not in s
-    assert s[("pulse_requests_total", (("model", "other"), ("status", "200")))] == 2  # c, d past the cap
+    assert ("pulse_requests_total", (("api", "chat"), ("model", "a"), ("status", "500"))) not in s
+    assert s[("pulse_requests_total", (("api", "chat"), ("model", "other"), ("status", "200")))] == 2  # c, d past the cap
     assert m.model("zzz") is m.model("other")
 
 
@@ -179,7 +179,7 @@ def test_multiprocess_mode_sums_replicas(tmp_path):
     out = subprocess.run([*run, "render"], env=env, check=True, timeout=60, capture_output=True, text=True).stdout
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(out) for s in f.samples}
-    assert values[("pulse_requests_total", (("model", "gemma"), ("status", "200")))] == 2
+    assert values[("pulse_requests_total", (("api", "chat"), ("model", "gemma"), ("status", "200")))] == 2
     assert values[("pulse_request_duration_seconds_count", (("model", "gemma"),))] == 2
     assert values[("pulse_worker_running_sequences", (("worker", "w0"),))] == 3
 

@@ -1,0 +1,83 @@
+"""What the Responses and Messages adapters share: strict body decoding, SSE framing with event names,
+output split into text and tool calls, and error params renamed to the caller's field names.
+
+Both adapters turn their request into a ChatRequest and run the chat core (gateway/completions.py), so a
+chat-side 400 names a chat field (`messages[3]`, `max_completion_tokens`); `renamed` maps it back.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from gateway.errors import APIError, bad_param
+from gateway.tool_parser import ToolCallStream, ToolDelta
+from gateway.tools import ChatPlan
+
+_json = msgspec.json.Encoder()
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def decode_strict(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Parse a body into `kind` (a Struct with forbid_unknown_fields): a field this server does not
+    implement is a 400 naming it, not silently ignored."""
+    if not body:
+        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        unknown = _UNKNOWN.search(text)
+        m = _PATH.search(text)
+        where = m.group(1) if m else ""
+        if unknown:
+            name = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            raise bad_param(name, f"`{name}` is not supported by this server", code="unsupported_parameter") from None
+        if not where and "missing required field" in text:
+            where = text.split("`")[1] if "`" in text else ""
+        raise APIError(400, f"invalid request: {text}", param=where or None, code="invalid_type") from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+
+
+def sse(event: str, data: dict) -> bytes:
+    """One named server-sent event (both APIs name every event and repeat the name as `type`)."""
+    return b"event: " + event.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
+
+
+def require_str(value: Any, param: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise bad_param(param, f"`{param}` must be a string")
+    return value
+
+
+class Splitter:
+    """The model's text -> content and tool-call pieces, with the chat path's parser (gateway/tool_parser.py).
+    Without tools in play all text is content."""
+
+    def __init__(self, plan: ChatPlan):
+        self.calls_parser = ToolCallStream(plan.names, forced=plan.mode == "forced") if plan.mode != "none" else None
+
+    def feed(self, text: str) -> ToolDelta:
+        if self.calls_parser is None:
+            return ToolDelta(content=text)
+        return self.calls_parser.feed(text) if text else ToolDelta()
+
+    def finish(self) -> ToolDelta:
+        return self.calls_parser.finish() if self.calls_parser is not None else ToolDelta()
+
+
+def renamed(error: APIError, names: list[tuple[str, str, bool]]) -> APIError:
+    """`error` with its param's chat-side prefix replaced by this API's field name (first match wins):
+    `(chat, own, keep_rest)`; keep_rest False drops what follows (message indices differ between APIs)."""
+    if error.param:
+        for chat, own, keep_rest in names:
+            p = error.param
+            if p == chat or p.startswith(chat + ".") or p.startswith(chat + "["):
+                error.param = own + (p[len(chat):] if keep_rest else "")
+                break
+    return error
