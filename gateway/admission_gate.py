@@ -1,14 +1,15 @@
 """The gateway's admission queue around the pure policy.admission decision.
 
     gate = AdmissionGate(cfg.admission)
-    decision = await gate.enter(route, priority)      # route: async () -> (WorkerLoad | None, AdmissionRequest)
+    decision = await gate.enter(route, priority, tenant)  # route: async () -> (WorkerLoad | None, AdmissionRequest)
     if decision.action == "reject": raise APIError(decision.status, decision.message, code=decision.code,
                                                    headers={"Retry-After": str(decision.retry_after_s)} if ...)
     try: ... send to the worker routing chose in its last `route()` call ...
     finally: gate.leave()                             # a request finished: measure the drain rate, wake the queue
 
 `enter` calls `route()` (route + look up the target's load), asks `admit`, and while the answer is
-"queue" it waits in priority order (then arrival order) until `leave()` frees capacity, the poll
+"queue" it waits in `FairOrder` (priority, then turns across tenants, then arrival) until `leave()`
+frees capacity, the poll
 interval passes (other gateways' requests finish too), or the deadline passes (then the 429 from
 `expired`). Each wake calls `route()` again, so a queued request may go to whichever worker freed up.
 Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
@@ -22,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from policy.admission import DrainRate, admit, expired
+from policy.admission import DrainRate, FairOrder, admit, expired
 from policy.config import AdmissionConfig
 from policy.types import AdmissionDecision, AdmissionRequest, QueueState, WorkerLoad
 
@@ -35,8 +36,10 @@ class AdmissionGate:
         self.poll_s = poll_s
         self._clock = clock
         self._drain = DrainRate()
-        self._waiters: list[tuple[int, int, asyncio.Event]] = []  # heap of (-priority, arrival, wake-up)
+        # heap of (-priority, fair start tag, arrival, wake-up, tenant): the first three order it
+        self._waiters: list[tuple[int, float, int, asyncio.Event, str]] = []
         self._order = itertools.count()
+        self._fair = FairOrder()
 
     @property
     def depth(self) -> int:
@@ -49,32 +52,44 @@ class AdmissionGate:
         """A request finished (or was handed to its worker's own queue): wake the head of the queue."""
         self._drain.record(self._clock())
         if self._waiters:
-            self._waiters[0][2].set()
+            self._waiters[0][3].set()
 
-    async def enter(self, route: Route, priority: int = 0) -> AdmissionDecision:
+    async def enter(self, route: Route, priority: int = 0, tenant: str = "") -> AdmissionDecision:
+        """`tenant`: who the request is charged to for fairness (the API key's id; "" when open)."""
         target, request = await route()
-        decision = admit(target, request, self._state(ahead_of=None), self.cfg)
+        entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant)
+        decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
         if decision.action != "queue":
+            self._settle(entry, decision)
             return decision
-        entry = (-priority, next(self._order), asyncio.Event())
         heapq.heappush(self._waiters, entry)
         deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
+        decision = None
         try:
-            return await self._wait(entry, route, deadline)
+            decision = await self._wait(entry, route, deadline)
+            return decision
         finally:
             self._remove(entry)
+            self._settle(entry, decision)
             if self._waiters:
-                self._waiters[0][2].set()  # the next one re-checks: capacity may remain
+                self._waiters[0][3].set()  # the next one re-checks: capacity may remain
+
+    def _settle(self, entry, decision: AdmissionDecision | None) -> None:
+        """Advance the fair order's virtual time for a request served; give back the tag of one that was not."""
+        if decision is not None and decision.action == "admit":
+            self._fair.served(entry[:2])
+        else:
+            self._fair.withdrawn(entry[:2], entry[4])
 
     async def _wait(self, entry, route: Route, deadline: float) -> AdmissionDecision:
         while True:
             left = deadline - self._clock()
             if left <= 0:
                 return expired(self._state(ahead_of=None), self.cfg)
-            entry[2].clear()
+            entry[3].clear()
             try:
                 async with asyncio.timeout(min(left, self.poll_s)):
-                    await entry[2].wait()
+                    await entry[3].wait()
             except TimeoutError:
                 pass
             target, request = await route()
@@ -83,8 +98,8 @@ class AdmissionGate:
                 return decision
 
     def _state(self, ahead_of) -> QueueState:
-        """The queue as `admit` sees it: everyone queued (a newcomer), or only those ahead of `ahead_of`."""
-        waiting = self._waiters if ahead_of is None else [e for e in self._waiters if e[:2] < ahead_of[:2]]
+        """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""
+        waiting = self._waiters if ahead_of is None else [e for e in self._waiters if e[:3] < ahead_of[:3]]
         return QueueState(Counter(-e[0] for e in waiting), self.drain_rate())
 
     def _remove(self, entry) -> None:

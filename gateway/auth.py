@@ -5,6 +5,7 @@
     log.info(await auth.start())                      # says whether the gateway is open or keyed
     key = await auth.authenticate(request.headers.get("Authorization"), admin=False)   # ApiKey | None (open)
     grant = await auth.acquire(key, prompt_tokens)    # Grant | None; raises APIError 429 with Retry-After
+    priority, tenant = auth.placement(key, asked)      # the admission priority (the key's, or less) and tenant
     ... finally: await auth.release(grant, completion_tokens)
     await auth.close()
 
@@ -23,6 +24,7 @@ import time
 from gateway.errors import APIError
 from gateway.keys import ApiKey, KeyStore, KeysUnavailable
 from gateway.quota import Grant, Quota, QuotaExceeded
+from policy.admission import effective_priority
 
 
 def is_loopback(host: str) -> bool:
@@ -84,6 +86,14 @@ class KeyAuth:
             return await self.quota.acquire(key.key_id, key.limits, prompt_tokens)
         except QuotaExceeded as e:
             raise APIError(429, e.message, code=e.code, headers={"Retry-After": str(e.retry_after_s)}) from None
+
+    @staticmethod
+    def placement(key: ApiKey | None, asked: int | None) -> tuple[int, str]:
+        """(priority, tenant) for the admission queue: the key's max_priority, lowered when the request asks
+        for less; the key's id as the tenant fair queueing shares turns between. Open mode: at most 0, one tenant."""
+        if key is None:
+            return effective_priority(asked, 0), ""
+        return effective_priority(asked, key.max_priority), key.key_id
 
     async def release(self, grant: Grant | None, completion_tokens: int = 0) -> None:
         if grant is not None:

@@ -176,7 +176,7 @@ class CompletionService:
             max_draft_tokens=req.max_draft_tokens,
             prediction_ids=prediction,
             logprobs=logprobs,
-            priority=req.priority or 0,
+            priority=req.priority,
         )
 
     # ---- responses -----------------------------------------------------------------------------
@@ -209,6 +209,7 @@ class CompletionService:
                 call = await prepare(body, key)
                 gen = call.gen
                 grant = await self.auth.acquire(key, len(gen.prompt_ids))
+                gen.priority, gen.tenant = self.auth.placement(key, gen.priority)
                 gen.session_id = request.headers.get("x-session-id") or gen.session_id
                 tm.set_request_attributes(span, model=call.model, operation=call.operation, max_tokens=gen.max_tokens,
                                           temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,

@@ -107,7 +107,7 @@ class Dispatcher:
             return target, self._admission_request(gen, result.cached_tokens)
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
-            decision = await self.gate.enter(route, gen.priority)
+            decision = await self.gate.enter(route, gen.priority or 0, gen.tenant)
             span.set_attribute(tm.PULSE_ADMISSION_RESULT, decision.action if decision.action == "admit"
                                else (decision.code or decision.action))
         if decision.action != "admit" or not chosen.get("result") or chosen["result"].worker is None:
@@ -120,7 +120,7 @@ class Dispatcher:
 
     def _admission_request(self, gen: GenerateRequest, cached: int) -> AdmissionRequest:
         return AdmissionRequest(prompt_tokens=len(gen.prompt_ids), max_tokens=gen.max_tokens, cached_tokens=cached,
-                                priority=gen.priority, context_length=self.context_length)
+                                priority=gen.priority or 0, context_length=self.context_length)
 
     async def _first(self, w: WorkerState, resp, chunks) -> list[Chunk]:
         try:

@@ -4,7 +4,7 @@
     key = await store.verify(bearer_token)           # ApiKey, or None (unknown, revoked, malformed)
     if key is None: -> 401;  if admin endpoint and not key.admin: -> 403
     quota.acquire(key.key_id, key.limits, tokens)    # gateway/quota.py
-    plaintext, key = await store.create(name="ci", rpm=60, tpm=0, concurrency=4, admin=False)
+    plaintext, key = await store.create(name="ci", rpm=60, tpm=0, concurrency=4, admin=False, max_priority=0)
     await store.list(); await store.revoke(key_id); await store.has_keys(); await store.close()
 
 `key_id` is public (it is in the key): use it in logs, traces and metric labels; never log the key.
@@ -58,6 +58,7 @@ class ApiKey:
     admin: bool = False
     created_at: float = 0.0
     revoked_at: float | None = None
+    max_priority: int = 0  # the priority its requests run at; a request may ask for less, never more
 
     @property
     def limits(self) -> Limits:
@@ -94,14 +95,16 @@ class KeyStore(abc.ABC):
     """Where keys live. Every method is a coroutine; see the module docstring."""
 
     async def create(
-        self, name: str = "", rpm: int = 0, tpm: int = 0, concurrency: int = 0, admin: bool = False
+        self, name: str = "", rpm: int = 0, tpm: int = 0, concurrency: int = 0, admin: bool = False,
+        max_priority: int = 0,
     ) -> tuple[str, ApiKey]:
         """A new key: returns (plaintext, record). The plaintext is not stored and cannot be shown again."""
         if min(rpm, tpm, concurrency) < 0:
             raise ValueError("limits must be >= 0 (0: unlimited)")
         key_id, plaintext = new_key()
         salt = await self._salt()
-        record = ApiKey(key_id, digest(salt, plaintext), name, rpm, tpm, concurrency, admin, time.time())
+        record = ApiKey(key_id, digest(salt, plaintext), name, rpm, tpm, concurrency, admin, time.time(),
+                        max_priority=max_priority)
         await self._put(record)
         return plaintext, record
 

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--concurrency", type=int,
                    help="requests in flight at once (0: unlimited; default keys.default_concurrency)")
     c.add_argument("--admin", action="store_true", help="allow admin endpoints (keys, drain, checkpoints)")
+    c.add_argument("--max-priority", dest="max_priority", type=int, default=0,
+                   help="the admission priority of this key's requests (default 0; below 0: background); "
+                        "a request's `priority` can only lower it")
     ls = sub.add_parser("list", parents=[common], help="list keys (never the keys themselves)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.add_argument("--all", action="store_true", help="include revoked keys")
@@ -84,7 +87,7 @@ async def _run(args, config) -> int:
             d = config.keys
             limits = [d.default_rpm if args.rpm is None else args.rpm, d.default_tpm if args.tpm is None else args.tpm,
                       d.default_concurrency if args.concurrency is None else args.concurrency]
-            plaintext, key = await store.create(args.name, *limits, admin=args.admin)
+            plaintext, key = await store.create(args.name, *limits, admin=args.admin, max_priority=args.max_priority)
             print(plaintext)
             print(f"created key {key.key_id} ({_limits(key)}{', admin' if key.admin else ''}); "
                   "store it now: it is not shown again", file=sys.stderr)
@@ -106,7 +109,8 @@ def _limits(k: ApiKey) -> str:
     def one(n: int, unit: str) -> str:
         return f"{n} {unit}" if n else f"unlimited {unit}"
 
-    return ", ".join((one(k.rpm, "rpm"), one(k.tpm, "tpm"), one(k.concurrency, "concurrent")))
+    return ", ".join((one(k.rpm, "rpm"), one(k.tpm, "tpm"), one(k.concurrency, "concurrent"),
+                      f"priority {k.max_priority}"))
 
 
 def _print_list(keys: list[ApiKey], as_json: bool) -> None:
@@ -114,9 +118,9 @@ def _print_list(keys: list[ApiKey], as_json: bool) -> None:
         for k in keys:
             print(json.dumps(k.public(), sort_keys=True))
         return
-    print(f"{'KEY ID':<14}{'NAME':<20}{'RPM':>7}{'TPM':>10}{'CONC':>6}  {'ADMIN':<6}{'CREATED':<21}STATUS")
+    print(f"{'KEY ID':<14}{'NAME':<20}{'RPM':>7}{'TPM':>10}{'CONC':>6}{'PRIO':>6}  {'ADMIN':<6}{'CREATED':<21}STATUS")
     for k in keys:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.created_at))
         status = "active" if k.active else "revoked"
-        print(f"{k.key_id:<14}{k.name[:19]:<20}{k.rpm:>7}{k.tpm:>10}{k.concurrency:>6}  "
+        print(f"{k.key_id:<14}{k.name[:19]:<20}{k.rpm:>7}{k.tpm:>10}{k.concurrency:>6}{k.max_priority:>6}  "
               f"{'yes' if k.admin else 'no':<6}{created:<21}{status}")

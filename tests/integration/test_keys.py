@@ -49,6 +49,24 @@ async def test_create_verify_revoke(store):
     assert plaintext not in repr(listed[key.key_id])
 
 
+async def test_max_priority_is_stored_with_the_key(store):
+    _, high = await store.create("batch-high", max_priority=5)
+    plaintext, low = await store.create("bulk", max_priority=-1)
+    default_key, _ = await store.create("plain")
+    assert (await store.verify(plaintext)).max_priority == -1
+    assert (await store.verify(default_key)).max_priority == 0
+    assert {k.key_id: k.max_priority for k in await store.list()}[high.key_id] == 5
+
+
+def test_cli_max_priority(tmp_path, capsys):
+    cfg = PulseConfig.model_validate({"keys": {"file": str(tmp_path / "keys.json")}})
+    assert keys_main(["create", "--max-priority", "3"], cfg) == 0
+    plaintext = capsys.readouterr().out.strip()
+    assert asyncio.run(FileKeyStore(tmp_path / "keys.json").verify(plaintext)).max_priority == 3
+    assert keys_main(["list", "--json"], cfg) == 0
+    assert json.loads(capsys.readouterr().out)["max_priority"] == 3
+
+
 async def test_keys_file_is_private_hashed_and_shared(tmp_path):
     path = tmp_path / "cfg" / "keys.json"
     serving = FileKeyStore(path)

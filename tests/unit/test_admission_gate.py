@@ -24,8 +24,9 @@ class Worker:
         return route
 
 
-async def serve(gate: AdmissionGate, worker: Worker, order: list, name: str, priority: int = 0, hold_s=0.02):
-    d = await gate.enter(worker.route(priority), priority)
+async def serve(gate: AdmissionGate, worker: Worker, order: list, name: str, priority: int = 0, hold_s=0.02,
+                tenant: str = ""):
+    d = await gate.enter(worker.route(priority), priority, tenant)
     if d.action != "admit":
         order.append((name, d.status))
         return d
@@ -56,6 +57,25 @@ async def test_queue_holds_slots_and_serves_by_priority():
     assert [n for n, _ in order] == ["a0", "a1", "high0", "high1", "low0", "low1"]
     assert {s for _, s in order} == {200}
     assert gate.drain_rate() > 0
+
+
+async def test_a_flooding_tenant_does_not_starve_another():
+    """Tenant A holds the slot and queues 30 requests, then tenant B queues 2: B's are served in turns
+    with A's, not after all of A's."""
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=100), poll_s=1.0)
+    worker, order = Worker(slots=1), []
+    hog = asyncio.create_task(serve(gate, worker, order, "hog", hold_s=0.2, tenant="A"))
+    await asyncio.sleep(0.01)
+    tasks = [asyncio.create_task(serve(gate, worker, order, f"A{i}", hold_s=0.005, tenant="A")) for i in range(30)]
+    await asyncio.sleep(0.01)
+    tasks += [asyncio.create_task(serve(gate, worker, order, f"B{i}", hold_s=0.005, tenant="B")) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert gate.depth == 32
+    await asyncio.gather(hog, *tasks)
+    names = [n for n, _ in order]
+    # A's hog had the last turn, so B goes next, then they alternate
+    assert names[:5] == ["hog", "B0", "A0", "B1", "A1"], names[:8]
+    assert worker.peak == 1 and {s for _, s in order} == {200}
 
 
 async def test_deadline_gives_429_with_retry_after():

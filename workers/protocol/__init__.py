@@ -37,7 +37,8 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     logprobs: int | None = None  # None: off; N >= 0: chosen token's logprob plus N alternatives
     grammar: str | None = None  # a JSON schema (as JSON text) the output must follow; "{}" = any JSON object
     session_id: str | None = None
-    priority: int = 0
+    priority: int | None = None  # None: what the API key allows (the gateway sets it before admission)
+    tenant: str = ""  # who it is charged to in the admission queue's fair order: the key's id (public)
     trace_context: dict[str, str] = {}  # W3C traceparent/tracestate from the gateway's span
 
 
