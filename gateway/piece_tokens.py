@@ -115,6 +115,10 @@ class PieceTokenizer:
     def _whole(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def piece(self, text: str) -> tuple[int, ...]:
+        """One piece's ids (text the caller already cut at markers), from the cache when seen before."""
+        return self._piece(text)
+
     def _piece(self, text: str) -> tuple[int, ...]:
         with self._lock:
             ids = self._cache.get(text)

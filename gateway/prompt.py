@@ -1,18 +1,35 @@
 """Chat templating and tokenization, done once per request in the gateway.
 
-The model's embedded Jinja template is used where the GGUF has one. The bundled Gemma 3 GGUF has none,
-so the Gemma family's own turn format applies (`<start_of_turn>role\\n...<end_of_turn>\\n`, the system
-prompt folded into the first user turn, `model` for the assistant) — not a generic ChatML fallback.
+The model's embedded Jinja template is used where the GGUF has one (rendered as Hugging Face renders it:
+a sandboxed environment, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, `add_generation_prompt`,
+`tools`). The bundled Gemma 3 GGUF has none, so the Gemma family's own turn format applies
+(`<start_of_turn>role\\n...<end_of_turn>\\n`, the system prompt folded into the first user turn, `model` for
+the assistant) — not a generic ChatML fallback.
+
+Message text is always text: control tokens come only from the template. Each message's text is rendered
+between two Unicode noncharacters, so after rendering the prompt splits into template text (cut at the
+template's own control tokens) and message text, and a run between two control tokens is tokenized with
+special tokens off (`encode_special_tokens`). User text spelling `<end_of_turn>` stays those characters.
 """
 from __future__ import annotations
 
+import json
+import re
+from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
 
+from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.errors import APIError
 from gateway.openai_types import Message, text_of
-from gateway.piece_tokens import DEFAULT_CACHE_BYTES, PieceTokenizer
+from gateway.piece_tokens import DEFAULT_CACHE_BYTES, PieceTokenizer, _pipeline_is_piece_local
+
+# Noncharacters (never in interchanged text) that mark where message text sits in a rendered prompt.
+OPEN, CLOSE = "\ufdd0", "\ufdd1"
+_MARKED = re.compile(f"{OPEN}(.*?){CLOSE}", re.S)
 
 GEMMA_TEMPLATE = """\
 {%- set ns = namespace(prefix='') -%}
@@ -56,21 +73,79 @@ class PromptBuilder:
         self._tok = tokenizer
         self._bos = bos_token_id if add_bos else None
         source = template or FAMILY_TEMPLATES.get(architecture, CHATML_TEMPLATE)
-        env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
-        self._template = env.from_string(source)
-        # the template's turn markers split a prompt into pieces tokenized once each (gateway/piece_tokens.py)
-        markers = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content in source]
-        self.pieces = PieceTokenizer(tokenizer, markers, max_bytes=cache_bytes)
+        try:
+            self._template = _environment(embedded=template is not None).from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"the chat template does not compile: {e}") from None
+        # the template's control tokens: where a rendered prompt is cut (gateway/piece_tokens.py)
+        markers = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()
+                          if t.special and t.content in source), key=len, reverse=True)
+        self._marker_ids = {m: tokenizer.token_to_id(m) for m in markers}
+        self._markers = re.compile("(" + "|".join(map(re.escape, markers)) + ")") if markers else None
+        self.pieces = PieceTokenizer(tokenizer, markers, max_bytes=cache_bytes)  # raw prompts (/v1/completions)
+        # message text between two control tokens: tokenized with special tokens off, cached by its text
+        self.text_pieces = PieceTokenizer(_text_mode(tokenizer), [], max_bytes=cache_bytes)
+        self._runs_are_local = _pipeline_is_piece_local(tokenizer)
         # an embedded template that takes `tools` gets them as data; others get gateway/tools.py's instructions
         self.native_tools = template is not None and "tools" in template
 
     def chat(self, messages: list[Message], tools: list[dict] | None = None) -> Prompt:
         rows = [_row(m) if self.native_tools else {"role": m.role, "content": _content(m)} for m in messages]
+        for i, row in enumerate(rows):
+            if OPEN in row["content"] or CLOSE in row["content"]:
+                raise APIError(400, "message content holds the Unicode noncharacters U+FDD0/U+FDD1",
+                               param=f"messages[{i}].content")
+        marked = self._render([{**r, "content": _mark(r["content"])} for r in rows], tools)
+        parts = _MARKED.split(marked)  # even: template text, odd: message text
+        text = "".join(parts)
+        if not self._runs_are_local or any(OPEN in p or CLOSE in p for p in parts[::2]):
+            # the template reshaped message text (sliced or escaped it), or the tokenizer's pipeline depends
+            # on a piece's place in the whole text: tokenize the whole prompt, refusing text that would
+            # turn into control tokens
+            text = self._render(rows, tools)
+            self._refuse_control_text(rows, tools, text)
+            return Prompt(text, self.encode(text))
+        ids = [] if self._bos is None else [self._bos]
+        for run in self._runs(parts):
+            if isinstance(run, int):
+                ids.append(run)
+            elif run:
+                ids.extend(self.text_pieces.piece(run))
+        return Prompt(text, ids)
+
+    def _render(self, rows: list[dict], tools: list[dict] | None) -> str:
         try:
-            text = self._template.render(messages=rows, tools=tools, add_generation_prompt=True, bos_token="")
+            return self._template.render(messages=rows, tools=tools, add_generation_prompt=True, bos_token="",
+                                         eos_token="")
         except Exception as e:  # a template error is the request's content meeting the template's rules
-            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        return Prompt(text, self.encode(text))
+            raise APIError(400, f"the chat template rejected these messages: {type(e).__name__}: {e}",
+                           param="messages", code="chat_template_error") from None
+
+    def _runs(self, parts: list[str]) -> list[str | int]:
+        """Control-token ids (from template text only) and the text runs between them."""
+        out: list[str | int] = []
+        run: list[str] = []
+        for i, part in enumerate(parts):
+            pieces = [part] if i % 2 or self._markers is None else self._markers.split(part)
+            for j, piece in enumerate(pieces):
+                if j % 2:  # re.split with one group: text, marker, text, ...
+                    out.append("".join(run))
+                    out.append(self._marker_ids[piece])
+                    run = []
+                else:
+                    run.append(piece)
+        out.append("".join(run))
+        return out
+
+    def _refuse_control_text(self, rows: list[dict], tools: list[dict] | None, text: str) -> None:
+        """400 when `text` holds more control tokens than the template makes for the same turns with neutral text."""
+        if self._markers is None:
+            return
+        neutral = self._render([{**r, "content": "x"} for r in rows], tools)
+        extra = Counter(self._markers.findall(text)) - Counter(self._markers.findall(neutral))
+        if extra:
+            raise APIError(400, f"message text spells the control token {next(iter(extra))!r}, which this "
+                           "model's template and tokenizer cannot keep as text", param="messages")
 
     def completion(self, prompt: str | list) -> Prompt:
         if isinstance(prompt, str):
@@ -82,11 +157,50 @@ class PromptBuilder:
         return Prompt(None, list(prompt))
 
     def encode(self, text: str) -> list[int]:
+        """A raw prompt (the client wrote the whole text, control tokens included)."""
         ids = self.pieces.encode(text)
         return ([self._bos] + ids) if self._bos is not None else ids
 
     def encode_plain(self, text: str) -> list[int]:
         return self.pieces.encode(text)
+
+
+@lru_cache(maxsize=8)
+def _text_mode(tokenizer):
+    """A copy of `tokenizer` that reads special-token spellings as plain text (a copy: the flag is the
+    tokenizer's, and other threads tokenize raw prompts with the original). ~4 s for Gemma's 262k entries."""
+    copy = type(tokenizer).from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+def _environment(*, embedded: bool) -> ImmutableSandboxedEnvironment:
+    """The sandbox a template renders in. Embedded templates are written for Hugging Face's renderer
+    (trim_blocks, lstrip_blocks, raise_exception, tojson that keeps non-ASCII); the family formats here
+    spell out every newline themselves."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=embedded, lstrip_blocks=embedded, keep_trailing_newline=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+def _mark(text: str) -> str:
+    """Message text between the marks, its outer whitespace outside them, so a template that trims the
+    text trims the same characters it would without the marks."""
+    core = text.strip()
+    if not core:
+        return text
+    lead = text[: len(text) - len(text.lstrip())]
+    return lead + OPEN + core + CLOSE + text[len(lead) + len(core):]
 
 
 def _row(m: Message) -> dict:
