@@ -21,6 +21,8 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v git >/dev/null || missing+=(git)
+# --test: the status page's browser test drives Debian's headless Chromium (a sizeable install)
+[ $with_test -eq 0 ] || command -v chromium >/dev/null || missing+=(chromium)
 # the test suite also runs a real Prometheus against the Grafana dashboard's queries
 if [ $with_test -eq 1 ]; then
   command -v prometheus >/dev/null || missing+=(prometheus)

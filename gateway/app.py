@@ -13,6 +13,7 @@ from gateway.errors import APIError, error_response
 from gateway.pool import WorkerPool
 from gateway.response_store import open_response_store
 from gateway.responses_api import ResponsesAPI
+from gateway.status import StatusBoard
 
 log = logging.getLogger("pulse.gateway")
 
@@ -41,6 +42,9 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/pulse/workers", self.workers)
+        # the status page: GET / and /ui, its JSON at /pulse/status
+        StatusBoard(self.pool, self.metrics, self.service.dispatcher, self.service.auth,
+                    models=lambda: [self._model_card()["id"]]).attach(app)
         return app
 
     @web.middleware
