@@ -192,7 +192,8 @@
     const head = el("header");
     head.append(el("span", "wid", w.id), el("span", "pill " + (w.healthy ? "ok" : "bad"), w.healthy ? "healthy" : "unhealthy"));
     card.append(head);
-    const where = [w.node ? "node " + w.node.slice(0, 12) : "", w.device + (w.device_id ? " " + w.device_id.slice(0, 16) : ""),
+    const device = w.device_id && w.device_id !== w.device ? w.device + " " + w.device_id.slice(0, 16) : w.device;
+    const where = [w.node ? "node " + w.node.slice(0, 12) : "", device,
       w.backend, (w.models || []).join(", ")].filter(Boolean).join(" · ");
     card.append(el("p", "meta", where));
     if (w.why) card.append(el("p", "why", w.why));
@@ -204,7 +205,7 @@
     stat(dl, "Speculation K", w.speculation_k === null ? "off" : String(w.speculation_k));
     stat(dl, "Draft acceptance", pct(w.acceptance));
     stat(dl, "Blocks indexed", w.blocks_indexed === null ? "–" : num(w.blocks_indexed, 0));
-    stat(dl, "Generated", num(w.generated_tokens, 0));
+    stat(dl, "Preemptions", num(w.preemptions, 0));
     card.append(dl);
     return card;
   }
@@ -265,20 +266,21 @@
     return e;
   }
 
-  function drawChart(svg, field, format, fill, name) {
+  function drawChart(svg, field, format, fill, name, floor) {
     const w = svg.clientWidth || 300, h = svg.clientHeight || 130;
     svg.setAttribute("viewBox", "0 0 " + w + " " + h);
-    const left = 44, right = 6, top = 8, bottom = 18;
+    const rem = parseFloat(getComputedStyle(document.documentElement).fontSize) || 16;  // axis text is in rem
+    const left = Math.round(rem * 3), right = 6, top = 8, bottom = Math.round(rem * 1.15);
     const now = series.length ? series[series.length - 1][0] : Date.now() / 1000;
     const t0 = now - WINDOW_S;
     const values = series.map((p) => p[field]).filter((v) => v !== null);
-    const max = niceMax(Math.max(...values, 0) * 1.05);
+    const max = niceMax(Math.max(...values, floor) * 1.05);
     const x = (t) => left + ((t - t0) / WINDOW_S) * (w - left - right);
     const y = (v) => top + (1 - v / max) * (h - top - bottom);
     const kids = [];
     for (const f of [0, 0.5, 1]) {
       kids.push(svgEl("line", { class: "grid", x1: left, x2: w - right, y1: y(max * f), y2: y(max * f) }));
-      kids.push(svgEl("text", { class: "axis", x: left - 6, y: y(max * f) + 4, "text-anchor": "end" }, format(max * f)));
+      kids.push(svgEl("text", { class: "axis", x: left - 6, y: y(max * f) + rem * 0.25, "text-anchor": "end" }, format(max * f)));
     }
     for (const [m, label] of [[15, "−15 min"], [10, "−10"], [5, "−5"], [0, "now"]]) {
       const anchor = m === 15 ? "start" : m === 0 ? "end" : "middle";
@@ -319,9 +321,10 @@
   }
   function drawCharts() {
     if ($("fleet").hidden) return;
-    const tps = drawChart($("chart-tps"), 1, (v) => num(v), true, "Tokens per second");
-    const ttft = drawChart($("chart-ttft"), 2, ms, false, "Time to first token, median");
-    const waiting = drawChart($("chart-waiting"), 3, (v) => num(v, 0), true, "Waiting requests");
+    // floors keep an idle chart's axis readable (0 to 10 tokens/s, not 0 to 1)
+    const tps = drawChart($("chart-tps"), 1, (v) => num(v), true, "Tokens per second", 10);
+    const ttft = drawChart($("chart-ttft"), 2, ms, false, "Time to first token, median", 100);
+    const waiting = drawChart($("chart-waiting"), 3, (v) => num(v, 0), true, "Waiting requests", 4);
     $("now-tps").textContent = tps === null ? "" : num(tps);
     $("now-ttft").textContent = ttft === null ? "" : ms(ttft);
     $("now-waiting").textContent = waiting === null ? "" : num(waiting, 0);
