@@ -4,8 +4,9 @@ The parts, by file:
 - device.py     picks the array module (`xp`: numpy or cupy) once at start
 - weights.py    GGUF tensors, dequantized once and cached on disk as .npy
 - ops.py        the compute primitives (rmsnorm, rope, paged attention, lm head, ...) over `xp`
-- models.py     architecture name -> model class
-- gemma3.py     the Gemma 3 architecture; a second architecture is a second file, listed in models.py
+- models.py     GGUF architecture name -> model class (and its GPU counterpart in gpu/)
+- gemma3.py     the Gemma 3 architecture
+- llama.py      Llama-family architectures (Llama 2/3, SmolLM, ...): GQA, RoPE scaling, SwiGLU
 - kv_cache.py   paged KV: fixed-size blocks, block tables, content-addressed prefix reuse, LRU eviction
 - sequence.py   one request's state inside the engine
 - scheduler.py  continuous batching, chunked prefill under a token budget, preemption by recompute
