@@ -167,7 +167,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per response (match workers.loadtest.tokens)")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--no-pulse", action="store_true", help="measure the relay against direct only")
-    ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --host 127.0.0.1 --port {port}")
+    ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --model gemma-3-270m --host 127.0.0.1 --port {port}")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto",
                     help="event loop of the relay, upstream and load generator (auto: uvloop if installed, as Ray)")

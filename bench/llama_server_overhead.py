@@ -55,7 +55,9 @@ def config_yaml(args, log_dir: Path) -> str:
         ls["threads"] = args.threads
     if args.binary:
         ls["binary"] = args.binary
-    return json.dumps({"workers": {"backend": "llama-server", "count": 1, "llama_server": ls}})  # JSON is YAML
+    # one model (a config naming none serves both bundled ones)
+    return json.dumps({"model": {"name": "gemma-3-270m"}, "workers": {"backend": "llama-server", "count": 1,
+                                                                     "llama_server": ls}})  # JSON is YAML
 
 
 def llama_servers(root: int) -> list[tuple[int, int]]:

@@ -48,6 +48,7 @@ class Soak:
 
 def server_config(soak: Soak) -> str:
     return f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: loadtest
   loadtest: {{tokens: {soak.tokens}, tokens_per_s: {soak.tokens_per_s}, slots: {2 * soak.streams}}}

@@ -340,8 +340,7 @@ def server_config(args, strategy: str, port: int, log_dir: Path) -> Path:
         "keys": {"file": str(log_dir / f"keys-{strategy}.json")},  # open on loopback: no key store of the user's
         "telemetry": {"log_level": "WARNING"},
     }
-    if args.model:
-        cfg["model"] = {"path": args.model}
+    cfg["model"] = {"path": args.model}  # one model (a config naming none serves both bundled ones)
     path = log_dir / f"pulse-{strategy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -81,17 +81,17 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.service.respond(request, "completion", await self._body(request))
 
-    def _model_card(self) -> dict:
-        return {"id": self.service.cfg.model.name, "object": "model", "created": self.created, "owned_by": "pulse"}
+    def _model_card(self, name: str | None = None) -> dict:
+        """A served model as /v1/models shows it (`name`: by name or alias; empty: the first served)."""
+        model = self.service.models.get(name) if name else self.service.models.default
+        return {"id": model.name, "object": "model", "created": self.created, "owned_by": "pulse"}
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(m.name) for m in self.service.models.models]
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.service.cfg.model.name:
-            raise APIError(404, f"The model `{request.match_info['model']}` does not exist", param="model",
-                           code="model_not_found")
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(request.match_info["model"]))  # 404 model_not_found if unknown
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -106,7 +106,7 @@ class Gateway:
 
         await self.service.auth.authenticate(request.headers.get("Authorization"), admin=True)
         rows = [{"worker_id": w.worker_id, "url": w.info.url, "node_id": w.info.node_id, "device": w.info.device,
-                 "backend": w.info.backend,
+                 "backend": w.info.backend, "model": w.info.model,
                  "healthy": w.healthy, "inflight": w.inflight, "stats": msgspec.to_builtins(w.stats)}
                 for w in self.pool.workers.values()]
         return web.json_response({"workers": rows})

@@ -32,7 +32,7 @@ from gateway.openai_types import (
 from gateway.auth import KeyAuth
 from gateway.dispatch import Dispatcher
 from gateway.pool import WorkerState
-from gateway.prompt import PromptBuilder
+from gateway.models import ModelCatalog, ServedModel
 from gateway import tools as agent_tools
 from gateway.responses import Shaper
 from policy.config import PulseConfig
@@ -105,11 +105,10 @@ def credentials(headers) -> str | None:
 
 
 class CompletionService:
-    def __init__(self, config: PulseConfig, builder: PromptBuilder, dispatcher: Dispatcher, auth: KeyAuth, *,
-                 token_text, metrics, tracer):
-        self.cfg, self.builder, self.dispatcher, self.auth = config, builder, dispatcher, auth
+    def __init__(self, config: PulseConfig, models: ModelCatalog, dispatcher: Dispatcher, auth: KeyAuth, *,
+                 metrics, tracer):
+        self.cfg, self.models, self.dispatcher, self.auth = config, models, dispatcher, auth
         self.metrics, self.tracer = metrics, tracer
-        self.token_text = token_text
         self._limits = dict(max_stop_strings=config.server.max_stop_strings,
                             max_stop_length=config.server.max_stop_length)
 
@@ -120,33 +119,29 @@ class CompletionService:
     def chat_request(self, req: ChatRequest) -> tuple[ChatRequest, GenerateRequest]:
         """A decoded chat request -> its GenerateRequest: the one templating and tokenization of every API."""
         validate_chat(req, max_messages=self.cfg.server.max_messages, **self._limits)
-        self._check_model(req.model)
+        model = self.models.get(req.model)
         plan = agent_tools.plan_chat(req)  # tools, tool_choice, response_format (400s name the parameter)
-        prompt = agent_tools.build_prompt(self.builder, req.messages, plan)
+        prompt = agent_tools.build_prompt(model.builder, req.messages, plan)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        gen = self._generate_request(req, prompt.ids, req.max_completion_tokens or req.max_tokens, top)
+        gen = self._generate_request(model, req, prompt.ids, req.max_completion_tokens or req.max_tokens, top)
         gen.grammar = plan.grammar
         return req, gen
 
     def parse_completion(self, body: bytes) -> tuple[CompletionRequest, GenerateRequest]:
         req = decode(body, CompletionRequest)
         validate_completion(req, **self._limits)
-        self._check_model(req.model)
-        prompt = self.builder.completion(req.prompt)
+        model = self.models.get(req.model)
+        prompt = model.builder.completion(req.prompt)
         if any(not 0 <= t < (1 << 31) for t in prompt.ids):
             raise bad_param("prompt", "token ids must be non-negative 32-bit integers")
-        return req, self._generate_request(req, prompt.ids, req.max_tokens, req.logprobs)
+        return req, self._generate_request(model, req, prompt.ids, req.max_tokens, req.logprobs)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.cfg.model.name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.cfg.model.name}`",
-                           param="model", code="model_not_found")
-
-    def _generate_request(self, req, ids: list[int], max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
+    def _generate_request(self, model: ServedModel, req, ids: list[int], max_tokens: int | None,
+                          logprobs: int | None) -> GenerateRequest:
         n = len(ids)
         if n == 0:
             raise bad_param("prompt" if isinstance(req, CompletionRequest) else "messages", "the prompt is empty")
-        ctx = self.dispatcher.context_length
+        ctx = model.context_length
         room = ctx - n
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
@@ -159,9 +154,10 @@ class CompletionService:
                            param="max_tokens", code="context_length_exceeded")
         prediction = None
         if req.prediction is not None:
-            prediction = self.builder.encode_plain(text_of(req.prediction.content))
+            prediction = model.builder.encode_plain(text_of(req.prediction.content))
         return GenerateRequest(
             request_id=uuid.uuid4().hex,
+            model=model.name,
             prompt_ids=ids,
             max_tokens=max_tokens or room,
             sampling=SamplingParams(
@@ -185,7 +181,7 @@ class CompletionService:
         async def prepare(body: bytes, key) -> Call:
             req, gen = self.parse_chat(body) if kind == "chat" else self.parse_completion(body)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + gen.request_id
-            shaper = Shaper(kind, rid, int(time.time()), self.cfg.model.name, self.token_text)
+            shaper = Shaper(kind, rid, int(time.time()), gen.model, self.models.get(gen.model).token_text)
             if kind == "chat":
                 shaper = agent_tools.ToolShaper.wrap(req, shaper)  # tool calls out of the text
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -5,6 +5,7 @@
     ... relay ticket.first, then iter ticket.chunks ...
     dispatcher.close(ticket)                   # always, in finally
 
+Only the workers holding the request's model (GenerateRequest.model) are candidates.
 Routing asks the prefix index once (gateway/router.py) and the pure policy decides; admission (the
 gateway's queue, policy/admission) decides whether the chosen worker can take it now, later, or never.
 A worker that fails before its first chunk is marked and the request goes to another one.
@@ -89,7 +90,7 @@ class Dispatcher:
         chosen: dict = {}
 
         async def route():
-            workers = [w for w in self.pool.routable() if w.worker_id not in tried]
+            workers = [w for w in self.pool.routable() if w.worker_id not in tried and holds(w, gen.model)]
             if not workers:
                 chosen.clear()
                 return None, self._admission_request(gen, 0)
@@ -103,8 +104,10 @@ class Dispatcher:
             self.metrics.routed(time.perf_counter() - t0, result.cpu_s)
             self.metrics.prefix_lookup(result.lookup_s, result.cached_tokens, len(gen.prompt_ids))
             chosen["result"] = result
-            target = load_of(result.worker) if result.worker is not None else None
-            return target, self._admission_request(gen, result.cached_tokens)
+            if result.worker is None:
+                return None, self._admission_request(gen, result.cached_tokens)
+            return load_of(result.worker), self._admission_request(gen, result.cached_tokens,
+                                                                   result.worker.info.context_length)
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
             decision = await self.gate.enter(route, gen.priority or 0, gen.tenant)
@@ -118,9 +121,10 @@ class Dispatcher:
                            code=decision.code or "no_healthy_worker", headers=headers)
         return chosen["result"]
 
-    def _admission_request(self, gen: GenerateRequest, cached: int) -> AdmissionRequest:
+    def _admission_request(self, gen: GenerateRequest, cached: int, context_length: int = 0) -> AdmissionRequest:
+        """`context_length`: the chosen worker's window (its model's); 0: the gateway's default model's."""
         return AdmissionRequest(prompt_tokens=len(gen.prompt_ids), max_tokens=gen.max_tokens, cached_tokens=cached,
-                                priority=gen.priority or 0, context_length=self.context_length)
+                                priority=gen.priority or 0, context_length=context_length or self.context_length)
 
     async def _first(self, w: WorkerState, resp, chunks) -> list[Chunk]:
         try:
@@ -173,3 +177,9 @@ class Dispatcher:
                             headers={"Retry-After": "2"})
         return APIError(503, f"no worker could take the request: {last.message if last else 'none routable'}",
                         code="workers_unavailable", headers={"Retry-After": "1"})
+
+
+def holds(w: WorkerState, model: str) -> bool:
+    """Whether worker `w` holds `model` (a worker naming no model, or a request naming none, matches any):
+    each model's requests, and so its prefix-cache hits, stay on its own workers."""
+    return not model or not w.info.model or w.info.model == model

@@ -14,10 +14,9 @@ from ray import serve
 from gateway.app import Gateway, start_server
 from gateway.completions import CompletionService
 from gateway.pool import Discover, WorkerPool
-from gateway.prompt import PromptBuilder
+from gateway.models import ModelCatalog
 from policy.config import PulseConfig
 from workers.protocol import WorkerInfo
-from workers.protocol.model import load_model_info, load_tokenizer
 
 log = logging.getLogger("pulse.gateway")
 
@@ -60,10 +59,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     from gateway.router import PrefixRouter
     from workers.protocol import telemetry as tm
 
-    info = load_model_info(config.model.path)
-    tok = load_tokenizer(config.model.path)
-    builder = PromptBuilder(tok, architecture=info.architecture, bos_token_id=info.bos_token_id,
-                            add_bos=info.add_bos, template=config.model.chat_template or info.chat_template)
+    models = ModelCatalog.build(config)
     index = build_index(config)
     pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s,
                       block_index=None if config.redis.url else index)
@@ -71,16 +67,10 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     tracer = provider.get_tracer("pulse.gateway")
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
     dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission), metrics,
-                            tracer, context_length=config.model.context_length or info.context_length,
-                            index=index)
+                            tracer, context_length=models.default.context_length, index=index)
     auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,
                    open_when_empty=config.keys.open_when_empty)
-
-    def token_text(token_id: int) -> str:
-        return tok.decode([token_id], skip_special_tokens=False)
-
-    service = CompletionService(config, builder, dispatcher, auth, token_text=token_text, metrics=metrics,
-                                tracer=tracer)
+    service = CompletionService(config, models, dispatcher, auth, metrics=metrics, tracer=tracer)
     return Gateway(service, pool, metrics=metrics)
 
 
@@ -93,9 +83,9 @@ async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: boo
             log.warning("prefix index unavailable at start: %s", e)
     log.info(await gateway.service.auth.start())
     await gateway.pool.start()
-    dispatcher = gateway.service.dispatcher
-    dispatcher.context_length = min([w.info.context_length for w in gateway.pool.workers.values()
-                                     if w.info.context_length] or [dispatcher.context_length])
+    models = gateway.service.models
+    models.fit_to_workers(gateway.pool.workers.values())
+    gateway.service.dispatcher.context_length = models.default.context_length
     runner, bound = await start_server(gateway.app(), host, port, reuse_port=reuse_port,
                                        max_header_bytes=gateway.service.cfg.server.max_header_bytes)
     return runner, bound

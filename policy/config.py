@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class PulseModel(BaseModel):
@@ -33,15 +33,42 @@ class ServerConfig(PulseModel):
     )
 
 
+Backend = Literal["cupy", "llama-server", "loadtest"]
+BUNDLED_GEMMA = "gemma-3-270m"
+BUNDLED_INSTRUCT = "smollm2-135m-instruct"
+
+
 class ModelConfig(PulseModel):
-    path: str | None = Field(None, description="GGUF file to serve; empty: the bundled Gemma 3 270M.")
-    name: str = Field("gemma-3-270m", description="Model id clients send and /v1/models lists.")
+    """One served model: its GGUF, the names clients use for it, and the workers that hold it."""
+
+    path: str | None = Field(
+        None, description="GGUF file to serve, or a bundled model's name (gemma-3-270m, smollm2-135m-instruct); "
+        "empty: the bundled Gemma 3 270M."
+    )
+    name: str = Field(BUNDLED_GEMMA, min_length=1, description="Model id clients send and /v1/models lists.")
+    aliases: list[str] = Field(default_factory=list, description="Other model ids that reach this model.")
     context_length: int | None = Field(
         None, ge=16, description="Context window served; empty: the smaller of the model's and the profile's."
     )
     chat_template: str | None = Field(
         None, description="A Jinja chat template overriding the model's own (or the family's turn format)."
     )
+    backend: Backend | None = Field(
+        None, description="What this model's workers run; empty: workers.backend (itself the profile's default)."
+    )
+    workers: int | None = Field(
+        None, ge=1, description="Worker actors holding this model; empty: workers.count (one per GPU, one on a CPU box)."
+    )
+
+    @property
+    def ids(self) -> list[str]:
+        """Every model id that names this model: its name first, then its aliases."""
+        return [self.name, *self.aliases]
+
+
+def bundled_models() -> list[ModelConfig]:
+    """What `pulse serve` serves when the config names no model: the two bundled ones."""
+    return [ModelConfig(), ModelConfig(path=BUNDLED_INSTRUCT, name=BUNDLED_INSTRUCT, aliases=["smollm2"])]
 
 
 class LoadTestConfig(PulseModel):
@@ -158,8 +185,9 @@ class LlamaServerConfig(PulseModel):
 
 
 class WorkersConfig(PulseModel):
-    backend: Literal["cupy", "llama-server", "loadtest"] = Field(
-        "cupy", description="What each worker runs: Pulse's engine, a managed llama-server, or the load-test instrument."
+    backend: Backend | None = Field(
+        None, description="What each worker runs: Pulse's engine, a managed llama-server, or the load-test "
+        "instrument; empty: the device profile's default_backend (the one measured fastest there)."
     )
     count: int | None = Field(None, ge=1, description="Worker actors; empty: one per GPU (one on a CPU box).")
     device_profile: str | None = Field(None, description="Device profile name; empty: detected from the device.")
@@ -298,11 +326,41 @@ class TelemetryConfig(PulseModel):
 
 class PulseConfig(PulseModel):
     server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server and its limits.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The model served.")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="One model to serve (shorthand for a one-entry `models`); in a "
+        "worker's own config, the model that worker holds."
+    )
+    models: list[ModelConfig] = Field(
+        default_factory=list, description="The models served, each on workers of its own; empty: `model` when it "
+        "is given, else both bundled models (gemma-3-270m and smollm2-135m-instruct)."
+    )
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="The worker actors and their backend.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis (prefix index, keys, quotas).")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Traces, metrics and logs.")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Worker choice: prefix vs load.")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission queue and limits.")
     keys: KeysConfig = Field(default_factory=KeysConfig, description="API keys and per-key limits.")
+
+    @model_validator(mode="after")
+    def _served_models(self) -> "PulseConfig":
+        # through __dict__: assigning would validate the whole config again (validate_assignment)
+        if not self.models:
+            self.__dict__["models"] = [self.model] if "model" in self.model_fields_set else bundled_models()
+        elif "model" not in self.model_fields_set:
+            self.__dict__["model"] = self.models[0]
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for model_id in m.ids:
+                if model_id in seen:
+                    raise ValueError(f"model id {model_id!r} names both {seen[model_id]!r} and {m.name!r}")
+                seen[model_id] = m.name
+        return self
+
+    def for_model(self, model: ModelConfig) -> "PulseConfig":
+        """This config as a worker holding `model` sees it: `model` is that one, with its backend."""
+        data = self.model_dump()
+        data["model"], data["models"] = model.model_dump(), [model.model_dump()]
+        if model.backend is not None:
+            data["workers"]["backend"] = model.backend
+        return PulseConfig.model_validate(data)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig, description="Stored Responses API responses.")

@@ -7,6 +7,7 @@ pure function of the device's name; the YAML files are package data read once.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 from importlib import resources
 
 import yaml
@@ -29,6 +30,9 @@ class DeviceProfile(PulseModel):
     description: str = Field("", description="What box and model the figures come from.")
     match: list[str] = Field(default_factory=list, description="Substrings of the device name that select it.")
     kind: str = Field("cuda", description="'cuda' or 'cpu'.")
+    default_backend: Literal["cupy", "llama-server"] = Field(
+        "cupy", description="What a worker runs when the config names no backend: the one measured fastest here."
+    )
     context_length: int = Field(8192, ge=16, description="Largest context served by default.")
     max_num_seqs: int = Field(16, ge=1, description="Sequences running at once in the engine.")
     kv_cache_tokens: int = Field(65536, ge=16, description="KV cache size in tokens (per worker).")

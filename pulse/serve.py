@@ -36,25 +36,29 @@ def gpu_share(workers: int, gpus: float) -> float:
 
 
 def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> tuple[list, list[str]]:
+    """One group of worker actors per served model (each worker holds one model, with its own config);
+    all of them share the box's GPUs evenly (gpu_share)."""
     import ray
 
     from workers.actor import WorkerActor
 
-    n = worker_count(config, gpus)
-    per_worker_gpu = gpu_share(n, gpus)
-    engine = config.workers.engine
-    if per_worker_gpu and config.workers.backend == "cupy" and (engine.pipeline_stages > 1 or engine.stages):
-        per_worker_gpu = 0.01  # the driver keeps embeddings + head; its stage actors reserve the GPUs (workers/pipeline)
+    groups = [(m, m.workers or worker_count(config, gpus)) for m in config.models]
+    per_worker_gpu = gpu_share(sum(n for _, n in groups), gpus)
     bind = "127.0.0.1" if config.server.ray_address is None else "0.0.0.0"
     cls = ray.remote(WorkerActor)
-    names = [f"pulse-worker-{i}" for i in range(n)]
-    cfg_json = config.model_dump_json()
-    actors = [
-        cls.options(name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=per_worker_gpu,
-                    resources=dict(config.workers.resources), max_restarts=config.workers.restart_max,
-                    max_concurrency=10_000, get_if_exists=reuse).remote(cfg_json, name, bind)
-        for name in names
-    ]
+    actors, names = [], []
+    for model, n in groups:
+        cfg = config.for_model(model)
+        share, engine = per_worker_gpu, cfg.workers.engine
+        if share and cfg.workers.backend == "cupy" and (engine.pipeline_stages > 1 or engine.stages):
+            share = 0.01  # the driver keeps embeddings + head; its stage actors reserve the GPUs (workers/pipeline)
+        cfg_json = cfg.model_dump_json()
+        for _ in range(n):
+            name = f"pulse-worker-{len(names)}"
+            names.append(name)
+            actors.append(cls.options(name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=share,
+                                      resources=dict(config.workers.resources), max_restarts=config.workers.restart_max,
+                                      max_concurrency=10_000, get_if_exists=reuse).remote(cfg_json, name, bind))
     return actors, names
 
 
@@ -78,9 +82,10 @@ def serve_main(config: PulseConfig) -> int:
     from gateway.ingress import GatewayIngress
     from workers.protocol.model import load_model_info, load_tokenizer
 
-    print(f"pulse: preparing model {config.model.path or '(bundled Gemma 3 270M)'}", flush=True)
-    load_model_info(config.model.path)
-    load_tokenizer(config.model.path)  # derived once here so workers and gateways read the cache
+    for model in config.models:
+        print(f"pulse: preparing model {model.name} ({model.path or 'bundled Gemma 3 270M'})", flush=True)
+        load_model_info(model.path)
+        load_tokenizer(model.path)  # derived once here so workers and gateways read the cache
 
     # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
     # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance
@@ -95,7 +100,7 @@ def serve_main(config: PulseConfig) -> int:
         actors, names = start_workers(config, gpus)
         infos = ray.get([a.start.remote() for a in actors])
         for info in infos:
-            print(f"pulse: worker {info.worker_id} ready ({config.workers.backend} on {info.device})", flush=True)
+            print(f"pulse: worker {info.worker_id} ready ({info.model}: {info.backend} on {info.device})", flush=True)
         serve.start(proxy_location="Disabled")
         options: dict = {"num_replicas": config.server.gateway_replicas}
         if config.server.ray_address is not None:
@@ -108,8 +113,10 @@ def serve_main(config: PulseConfig) -> int:
         if not wait_healthy(base + "/health", 120):
             print("pulse: the gateway did not become healthy within 120 s", flush=True)
             return 1
-        print(f"pulse: serving {config.model.name} at {base}/v1  ({len(actors)} worker(s), "
-              f"backend {config.workers.backend}); Ctrl-C stops", flush=True)
+        served = ", ".join(m.name for m in config.models)
+        backends = ", ".join(sorted({info.backend for info in infos}))
+        print(f"pulse: serving {served} at {base}/v1  ({len(actors)} worker(s), backend {backends}); "
+              "Ctrl-C stops", flush=True)
         print(f"pulse: {_auth_mode(config)}", flush=True)
         while not stop.wait(0.5):
             pass

@@ -76,6 +76,7 @@ class PulseProcess:
 
 
 LOADTEST_CONFIG = """
+model: {name: gemma-3-270m}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: loadtest
   loadtest: {tokens: 100000, tokens_per_s: 400}

@@ -91,6 +91,8 @@ class WorkerActor:
             kind, device_name = detect_device()
             profile = select_profile(device_name, builtin_profiles(), self.config.workers.device_profile)
             model = load_model_info(self.config.model.path)
+            if self.config.workers.backend is None:  # the backend the device's profile measured fastest
+                self.config.workers.backend = profile.default_backend
             cls = backend_class(self.config.workers.backend)
             sink = await self._block_sink()
             self.backend = cls(self.config, profile, model, block_sink=sink, worker_id=self.worker_id)
@@ -113,6 +115,7 @@ class WorkerActor:
             stats = self.backend.stats()
             # the channel secret reaches gateways only through Ray (this return value), never the network
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
+                                    model=self.config.model.name,
                                     node_id=_node_id(), device=device_name, device_id=device_id(kind),
                                     block_size=stats.block_size,
                                     context_length=ctx, secret=self.server.secret)

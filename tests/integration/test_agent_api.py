@@ -39,6 +39,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def engine_config(tmp) -> str:
     return f"""
 keys: {{file: "{tmp}/keys.json"}}
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: cupy
   engine: {{device: cpu, kv_blocks: 512, max_num_seqs: 4}}
@@ -53,6 +54,7 @@ def llama_server_config(tmp) -> str:
     binary = llama_server_binary()  # skips when not built
     return f"""
 keys: {{file: "{tmp}/keys.json"}}
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: llama-server
   llama_server: {{binary: "{binary}", slots: 2, kv_tokens: 4096, threads: 2, log_dir: "{tmp}"}}

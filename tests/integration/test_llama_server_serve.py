@@ -35,6 +35,7 @@ def chat(base: str, content: str, stream: bool = False) -> tuple[dict | str, dic
 def test_pulse_serve_with_two_llama_server_workers(tmp_path):
     binary = llama_server_binary()
     config = f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: llama-server
   count: 2

@@ -12,6 +12,7 @@ from ray.cluster_utils import Cluster
 from tests.conftest import PulseProcess
 
 CONFIG = """
+model: {name: gemma-3-270m}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: loadtest
   count: 1

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 TOKENS_PER_S = 200
 CONFIG = f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: loadtest
   count: 2

@@ -26,6 +26,7 @@ def llama_serve(tmp_path_factory):
     binary = llama_server_binary()  # skips when not built
     tmp = tmp_path_factory.mktemp("pulse-llama")
     config = f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: llama-server
   llama_server: {{binary: "{binary}", slots: 2, kv_tokens: 4096, threads: 2, log_dir: "{tmp}",

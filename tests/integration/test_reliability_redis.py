@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 CLIENTS = 16
 PHASE_S = 4.0
 CONFIG = """
+model: {name: gemma-3-270m}  # one model (a config naming none serves both bundled ones)
 workers:
   backend: loadtest
   count: 2

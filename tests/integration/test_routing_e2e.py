@@ -21,7 +21,9 @@ SYSTEM = ("You are a careful coding agent working in a large Python repository. 
           "Explain each edit in one sentence before making it. ") * 4
 
 CONFIG = """
+model: {name: gemma-3-270m}  # one model (a config naming none serves both bundled ones)
 workers:
+  backend: cupy  # the engine: its own KV blocks are what routing follows here
   count: 2
   engine: {max_num_seqs: 2, kv_blocks: 512}
 routing: {block_ttl_s: 60}

@@ -8,7 +8,8 @@ from pulse.config import env_overrides, load_config
 def test_defaults_are_the_single_box():
     cfg = load_config(environ={})
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
-    assert cfg.workers.backend == "cupy" and cfg.redis.url is None
+    assert cfg.workers.backend is None and cfg.redis.url is None  # None: the device profile's default_backend
+    assert [m.name for m in cfg.models] == ["gemma-3-270m", "smollm2-135m-instruct"]
 
 
 def test_yaml_then_env_then_flags(tmp_path):

@@ -40,6 +40,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     priority: int | None = None  # None: what the API key allows (the gateway sets it before admission)
     tenant: str = ""  # who it is charged to in the admission queue's fair order: the key's id (public)
     trace_context: dict[str, str] = {}  # W3C traceparent/tracestate from the gateway's span
+    model: str = ""  # the served model's name: only its workers are sent the request
 
 
 class TokenLogprob(msgspec.Struct, omit_defaults=True):
@@ -179,6 +180,7 @@ class WorkerInfo(msgspec.Struct):
     device_id: str = ""
     block_size: int = 16
     context_length: int = 0
+    model: str = ""  # the served name of the model it holds ("" : whatever the gateway serves)
     secret: str = ""  # the bearer secret the worker's channel demands (workers/stream.py)
 
     def __repr__(self) -> str:  # keeps the secret out of logs and tracebacks
