@@ -161,6 +161,10 @@ class LlamaServerConfig(PulseModel):
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap between two streamed events before the process counts as hung."
     )
+    health_timeout_s: float = Field(
+        10.0, gt=0, description="A process waited on is alive if tokens reached any stream within this time, or "
+        "if it answers /health within it (a busy llama-server answers late, and is not hung)."
+    )
     slots: int | None = Field(None, ge=1, description="-np (sequences at once); empty: the profile's llama_server_slots.")
     kv_tokens: int | None = Field(
         None, ge=16, description="-c, the KV cache in tokens shared by all slots; empty: the profile's kv_cache_tokens."

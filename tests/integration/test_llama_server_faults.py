@@ -76,7 +76,7 @@ async def test_crash_before_the_first_chunk_is_a_503(tmp_path):
 
 
 async def test_hung_process_times_out_then_is_replaced(tmp_path):
-    backend = make_backend(tmp_path, headers_timeout_s=2.0)
+    backend = make_backend(tmp_path, headers_timeout_s=2.0, health_timeout_s=2.0)
     await backend.start()
     pid = backend.pids()[0]
     try:
@@ -85,7 +85,7 @@ async def test_hung_process_times_out_then_is_replaced(tmp_path):
         with pytest.raises(BackendError) as e:
             await collect(backend, request("hang", encode(PROMPT), 4))
         waited = time.monotonic() - t0
-        # headers_timeout_s (2 s) without headers, then /health unanswered for 2 s
+        # headers_timeout_s (2 s) without headers, no tokens flowing, then /health unanswered for 2 s
         assert e.value.status == 503 and 3.5 < waited < 7.0, (e.value, waited)
         # /health does not answer either, so the hung process is killed and a new one started
         await wait_until(lambda: backend.stats().restarts == 1, 10, "killed")

@@ -4,9 +4,11 @@ Each request goes to llama-server's native /completion endpoint as the gateway's
 `cache_prompt` and a slot chosen for prefix affinity, streamed back event by event. Faults:
 - the process dies: its sockets close, so every in-flight stream ends at once (an error chunk, or
   BackendError 503 before the first chunk); the supervisor restarts it with backoff;
-- the process hangs: no response headers within `headers_timeout_s` (or no event for
-  `stream_idle_timeout_s`) is the same error; if /health does not answer either, the process is
-  killed and restarted.
+- the process hangs: no event on a stream for `stream_idle_timeout_s` is the same error. Waiting for
+  response headers (queueing and prefill) is not: every `headers_timeout_s` the process must show it
+  is alive, by tokens flowing on any stream within `health_timeout_s` or by answering /health within
+  `health_timeout_s` on a connection of its own; only one that does neither is killed and restarted.
+  A busy llama-server is not an unhealthy one.
 """
 from __future__ import annotations
 
@@ -74,7 +76,9 @@ class LlamaServerBackend(Backend):
                                  log_dir, self.worker_id, self.block_sink, self.workers_on_box, checkpoint_dir)
         for lane in self.lanes:
             lane.on_crash = self._on_crash
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.cfg.stream_idle_timeout_s)
+        # No sock_read: it would also bound the wait for response headers, which llama-server sends with
+        # the first token, after queueing and prefill; _open and _next_event bound those waits instead.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
         # One connection per request, no keep-alive: llama-server (cpp-httplib) closes idle connections
         # after 5 s and after 100 requests, and a POST on a connection it just closed fails with no way
         # to retry safely; an idle kept-alive connection also holds one of its HTTP threads.
@@ -117,6 +121,7 @@ class LlamaServerBackend(Backend):
                 raise ConnectionError("cancelled")
             while True:
                 ev = await self._next_event(resp)
+                lane.progress_at = time.monotonic()
                 if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which
                     slot = ev.id_slot
                     epoch = lane.slots.acquire(slot, prompt)
@@ -173,8 +178,8 @@ class LlamaServerBackend(Backend):
     async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None) -> aiohttp.ClientResponse:
         """POST the request and wait for the response headers. llama-server sends them with the first
         token, after queueing and prefill (minutes for a long cold prompt on a small box), so a slow
-        answer alone is not a fault: every `headers_timeout_s` without headers, /health is asked, and
-        only a process that does not answer it either counts as hung (killed, then restarted)."""
+        answer alone is not a fault: every `headers_timeout_s` without headers the process must show it
+        is alive (`_alive`), and only one that does not counts as hung (killed, then restarted)."""
         body = api.request_body(request, slot)
         post = asyncio.ensure_future(self._session.post(
             lane.process.url + "/completion", data=body, headers={"Content-Type": "application/json"}))
@@ -186,7 +191,8 @@ class LlamaServerBackend(Backend):
                     break
                 if not await self._alive(lane):
                     raise asyncio.TimeoutError(
-                        f"no response headers within {self.cfg.headers_timeout_s:.1f} s and no answer to /health")
+                        f"no response headers within {self.cfg.headers_timeout_s:.1f} s, no tokens on any stream "
+                        f"and no answer to /health within {self.cfg.health_timeout_s:.1f} s")
         except BaseException:
             post.cancel()
             raise
@@ -199,7 +205,8 @@ class LlamaServerBackend(Backend):
 
     async def _next_event(self, resp: aiohttp.ClientResponse) -> api.Event:
         while True:
-            line = await resp.content.readuntil(b"\n", max_size=1 << 26)
+            async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
+                line = await resp.content.readuntil(b"\n", max_size=1 << 26)
             if not line:
                 raise ConnectionError("llama-server closed the stream before its final event")
             if line.startswith(b"data: "):
@@ -222,11 +229,17 @@ class LlamaServerBackend(Backend):
         await self._alive(lane)
 
     async def _alive(self, lane: Lane) -> bool:
-        """Whether the process answers /health within 2 s; one that does not is killed (and restarts)."""
+        """Whether the process is alive: tokens reached a stream within `health_timeout_s` (its main loop
+        is working), else it answers /health within that time (llama-server's HTTP threads answer it while
+        the main loop is busy; the session opens a new connection per request). One that does neither is
+        killed (and restarts)."""
         proc = lane.process
         pid = proc.pid
+        wait = self.cfg.health_timeout_s
+        if time.monotonic() - lane.progress_at < wait:
+            return True
         try:
-            async with self._session.get(proc.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            async with self._session.get(proc.url + "/health", timeout=aiohttp.ClientTimeout(total=wait)) as r:
                 await r.read()
                 return True
         except _CONNECTION_ERRORS:

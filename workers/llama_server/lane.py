@@ -26,6 +26,7 @@ class Lane:
         self.checkpoints = checkpoints  # started with --slot-save-path: its slots can be saved and restored
         self.slots = SlotTable(slots, block_size, sink)
         self.running = 0
+        self.progress_at = float("-inf")  # monotonic time of the last event any stream got: tokens flowing = alive
         self.process = LlamaServerProcess(
             argv_for, name=name, log_path=log_path, startup_timeout_s=cfg.startup_timeout_s,
             backoff_max_s=cfg.restart_backoff_max_s, stop_grace_s=cfg.stop_grace_s, on_exit=self._on_exit)
