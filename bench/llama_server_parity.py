@@ -1,0 +1,182 @@
+"""Pulse + llama-server against the same llama-server called directly: aggregate tok/s, TTFT and errors.
+
+One `pulse serve --backend llama-server` (one worker; the device profile's slots and flags unless --slots)
+is started, and the llama-server process its worker runs is found among its descendants
+(bench.llama_server_overhead). For every API, sampling mode and client count, interleaved per bench.protocol
+(warm-up discarded, order rotated), the same streaming OpenAI request goes to:
+- direct: that very llama-server's own /v1/completions or /v1/chat/completions (same binary, flags,
+  model, slots and KV state: only the path differs), as a user calling llama-server would send it;
+- pulse: Pulse's /v1/completions or /v1/chat/completions.
+Completions send the prompt as token ids (BOS included), chat as one user message. Modes: `greedy`
+(temperature 0) and `t1` (temperature 1, nothing else: OpenAI's defaults). llama-server fills unset fields
+with its own defaults (top_k 40, top_p 0.95, min_p 0.05), a narrower distribution than OpenAI's, which
+Pulse keeps; `t1exact` sends direct top_k 0, top_p 1, min_p 0 too, so both sample the same distribution.
+Per repeat, pulse is set against direct: tok_s_ratio (pulse / direct) and added TTFT p50/p99 (pulse -
+direct). Goal: ratio >= 0.95 and added p50 <= 2 ms, no 5xx.
+
+    python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
+    python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import loops, protocol
+from bench.gateway_overhead import _load_with_cpu, first_model
+from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, the_worker_server
+from bench.loadgen import LoadSpec
+from bench.machine import REPO, checked_machine_info
+from bench.procs import Proc, free_port, owned_processes, python_module
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL_RATIO, GOAL_ADDED_P50_MS = 0.95, 2.0
+TARGETS = ("direct", "pulse")
+MODES = {
+    "greedy": ({"temperature": 0.0}, {}),
+    "t1": ({"temperature": 1.0}, {}),
+    "t1exact": ({"temperature": 1.0}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}),  # extra fields: direct only
+}
+TABLE_METRICS = ["tok_s", "tok_s_ratio", "ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms",
+                 "errors", "rate_limited"]
+PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
+
+
+def cell(target: str, api: str, mode: str, clients: int) -> str:
+    return f"{target}/{api}/{mode}@{clients}"
+
+
+def config_yaml(args, log_dir: Path) -> str:
+    ls = {"log_dir": str(log_dir)}
+    for key in ("slots", "kv_tokens", "threads", "binary"):
+        if getattr(args, key):
+            ls[key] = getattr(args, key)
+    # one model (a config naming none serves both bundled ones)
+    return json.dumps({"model": {"path": args.model, "name": args.model}, "workers": {"backend": "llama-server", "count": 1,
+                                                                 "llama_server": ls}})  # JSON is YAML
+
+
+def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str) -> dict[str, LoadSpec]:
+    out = {}
+    for api in args.apis:
+        prompt = ids if api == "completions" else PROMPT
+        for mode in args.modes:
+            both, direct_only = MODES[mode]
+            for c in args.clients:
+                common = dict(api=api, prompt=prompt, clients=c, duration=args.duration, max_tokens=args.tokens,
+                              requests=max(args.min_requests, c * args.requests_per_client), timeout=args.timeout)
+                # a new connection per request to llama-server, as Pulse's backend does: cpp-httplib closes
+                # kept-alive connections under load
+                out[cell("direct", api, mode, c)] = LoadSpec(url=direct_url, model=model, force_close=True,
+                                                             body_extra=both | direct_only, **common)
+                out[cell("pulse", api, mode, c)] = LoadSpec(url=pulse_url, model=model, body_extra={**both},
+                                                            **common)
+    return out
+
+
+def derive(records: list[dict]) -> list[dict]:
+    """Per repeat and cell: pulse's tok/s over direct's and its TTFT minus direct's, within the same repeat."""
+    out = []
+    for repeat, cfgs in protocol.by_repeat(records).items():
+        for name, m in cfgs.items():
+            if not name.startswith("pulse/"):
+                continue
+            d = cfgs.get("direct/" + name.split("/", 1)[1])
+            if d is None:
+                continue
+            derived = {f"added_ttft_{p}_ms": (m[f"ttft_{p}_ms"] - d[f"ttft_{p}_ms"])
+                       if m.get(f"ttft_{p}_ms") is not None and d.get(f"ttft_{p}_ms") is not None else None
+                       for p in ("p50", "p99")}
+            derived["tok_s_ratio"] = m["tok_s"] / d["tok_s"] if d.get("tok_s") else None
+            out.append({"phase": "measure", "repeat": repeat, "config": name, "metrics": derived})
+    return out
+
+
+def summarize(records: list[dict], order: Sequence[str]) -> dict:
+    measured = protocol.summarize(records)
+    for cfg, ms in protocol.summarize(derive(records)).items():
+        measured.setdefault(cfg, {}).update(ms)
+    return {cfg: measured[cfg] for cfg in order if cfg in measured}
+
+
+def verdict(summary: dict) -> list[str]:
+    """One line per pulse cell: median tok/s ratio and added TTFT p50 against the goals, and any failures."""
+    lines = []
+    for name, ms in summary.items():
+        if not name.startswith("pulse/"):
+            continue
+        ratio, added = ms.get("tok_s_ratio"), ms.get("added_ttft_p50_ms")
+        direct = summary.get("direct/" + name.split("/", 1)[1], {})
+        failed = sum(s["max"] for k in ("errors",) for s in (ms.get(k), direct.get(k)) if s)
+        if ratio is None or added is None:
+            lines.append(f"NONE {name}: a target served nothing")
+            continue
+        ok = ratio["median"] >= GOAL_RATIO and added["median"] <= GOAL_ADDED_P50_MS and not failed
+        lines.append(f"{'MET ' if ok else 'MISS'} {name}: tok/s x{ratio['median']:.2f} "
+                     f"({ratio['min']:.2f}-{ratio['max']:.2f}), added TTFT p50 {added['median']:+.1f} ms "
+                     f"({added['min']:+.1f}..{added['max']:+.1f}), errors (worst repeat, both) {failed:g}")
+    return lines
+
+
+async def _measure(spec: LoadSpec, path: list, pulse: Proc) -> dict:
+    if pulse.popen.poll() is not None:  # measuring a dead server would only record connection errors
+        raise RuntimeError(f"pulse serve exited with {pulse.popen.returncode}:\n{pulse.log_tail()}")
+    return await _load_with_cpu(spec, path)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.llama_server_parity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["greedy", "t1"])
+    ap.add_argument("--apis", nargs="+", choices=["completions", "chat"], default=["completions"])
+    ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="completions prompt length in tokens")
+    ap.add_argument("--requests-per-client", type=int, default=3, help="requests per client per run")
+    ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests per run")
+    ap.add_argument("--duration", type=float, default=300.0, help="cap on seconds of load per run")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request")
+    ap.add_argument("--model", default="gemma-3-270m", help="the bundled model Pulse serves (its name)")
+    ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the device profile's)")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="llama-server -c (default: the profile's)")
+    ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: Pulse's)")
+    ap.add_argument("--binary", default=None, help="llama-server to run (default: Pulse's cached build)")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
+    protocol.add_arguments(ap, RESULTS)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    machine, started = checked_machine_info(), time.time()
+    log_dir = args.out / f"logs-parity-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "pulse.yaml").write_text(config_yaml(args, log_dir))
+    with owned_processes() as procs:
+        port = free_port()
+        pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
+                                            "--host", "127.0.0.1", "--port", str(port)), log_dir,
+                     env={"PYTHONPATH": str(REPO)})
+        procs.append(pulse)
+        pulse_url = f"http://127.0.0.1:{port}"
+        pulse.wait_healthy(pulse_url + "/health", timeout=args.start_timeout)
+        llama_pid, llama_port = the_worker_server(pulse)
+        paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}
+        cells = specs(args, prompt_ids(args.prompt_tokens), pulse_url, first_model(pulse_url),
+                      f"http://127.0.0.1:{llama_port}")
+        runs = {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse) for name, s in cells.items()}
+        records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
+        argv = Path(f"/proc/{llama_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        params = vars(args) | {"llama_server": {"pid": llama_pid, "argv": argv}, "loop": loops.resolve(args.loop)}
+        summary = summarize(records, list(cells))
+        protocol.publish("llama_server_parity", records, summary, params, started, machine, verdict(summary),
+                         TABLE_METRICS, PLOT_METRICS, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

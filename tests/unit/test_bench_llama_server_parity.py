@@ -1,0 +1,47 @@
+"""bench.llama_server_parity's pure parts: the cells it runs, the pairing per repeat, the verdict."""
+from __future__ import annotations
+
+from bench.llama_server_parity import _parse, derive, specs, summarize, verdict
+from bench.loadgen import request_body
+
+
+def rec(config: str, repeat: int, tok_s: float, p50: float, p99: float, errors: int = 0) -> dict:
+    return {"phase": "measure", "repeat": repeat, "config": config,
+            "metrics": {"tok_s": tok_s, "ttft_p50_ms": p50, "ttft_p99_ms": p99, "errors": errors}}
+
+
+def test_cells_send_the_same_request_both_ways():
+    args = _parse(["--clients", "1", "8", "--modes", "greedy", "t1exact", "--apis", "completions", "chat",
+                   "--tokens", "8"])
+    cells = specs(args, [2, 10, 11], "http://127.0.0.1:1", "gemma", "http://127.0.0.1:2")
+    assert len(cells) == 2 * 2 * 2 * 2
+    d, p = cells["direct/completions/greedy@8"], cells["pulse/completions/greedy@8"]
+    assert d.url.endswith(":2") and p.url.endswith(":1") and d.force_close and d.clients == p.clients == 8
+    assert request_body(d) == request_body(p)  # same path, same body: only the server differs
+    assert request_body(p)[0] == "/v1/completions" and request_body(p)[1]["prompt"] == [2, 10, 11]
+    # t1exact: direct is told OpenAI's full distribution explicitly (llama-server's defaults would cut it)
+    _, direct_body = request_body(cells["direct/chat/t1exact@1"])
+    path, pulse_body = request_body(cells["pulse/chat/t1exact@1"])
+    assert path == "/v1/chat/completions" and pulse_body["temperature"] == 1.0 and "top_k" not in pulse_body
+    assert (direct_body["top_k"], direct_body["top_p"], direct_body["min_p"]) == (0, 1.0, 0.0)
+    assert cells["pulse/chat/t1exact@8"].requests == 8 * 3
+
+
+def test_pairs_stay_within_a_repeat_and_the_verdict_reads_the_goals():
+    records = [rec("direct/completions/greedy@1", 0, 100.0, 50.0, 80.0),
+               rec("pulse/completions/greedy@1", 0, 97.0, 51.0, 85.0),
+               rec("direct/completions/greedy@1", 1, 200.0, 40.0, 60.0),
+               rec("pulse/completions/greedy@1", 1, 194.0, 41.5, 61.0),
+               rec("direct/completions/t1@1", 0, 100.0, 50.0, 80.0),
+               rec("pulse/completions/t1@1", 0, 80.0, 60.0, 90.0, errors=2)]
+    d = {(r["config"], r["repeat"]): r["metrics"] for r in derive(records)}
+    assert d[("pulse/completions/greedy@1", 1)] == {"added_ttft_p50_ms": 1.5, "added_ttft_p99_ms": 1.0,
+                                                     "tok_s_ratio": 0.97}
+    summary = summarize(records, ["direct/completions/greedy@1", "pulse/completions/greedy@1",
+                                  "direct/completions/t1@1", "pulse/completions/t1@1"])
+    assert list(summary) == ["direct/completions/greedy@1", "pulse/completions/greedy@1",
+                             "direct/completions/t1@1", "pulse/completions/t1@1"]
+    lines = verdict(summary)
+    assert lines[0].startswith("MET  pulse/completions/greedy@1: tok/s x0.97")
+    assert lines[1].startswith("MISS pulse/completions/t1@1") and lines[1].endswith("errors (worst repeat, both) 2")
+    assert verdict({"pulse/chat/t1@64": {}}) == ["NONE pulse/chat/t1@64: a target served nothing"]
