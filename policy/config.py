@@ -65,6 +65,13 @@ class ModelConfig(PulseModel):
         """Every model id that names this model: its name first, then its aliases."""
         return [self.name, *self.aliases]
 
+    @model_validator(mode="after")
+    def _bundled_name(self) -> "ModelConfig":
+        # `--model smollm2-135m-instruct` serves that bundled model under its own name
+        if self.path in (BUNDLED_GEMMA, BUNDLED_INSTRUCT) and "name" not in self.model_fields_set:
+            self.__dict__["name"] = self.path
+        return self
+
 
 def bundled_models() -> list[ModelConfig]:
     """What `pulse serve` serves when the config names no model: the two bundled ones."""

@@ -43,10 +43,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--config", help="YAML config file (see policy/config.py for every field)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--backend", help="cupy | llama-server | loadtest (the gateway-overhead instrument)")
+    p.add_argument("--backend", help="cupy | llama-server | loadtest (the gateway-overhead instrument); default: "
+                   "the device profile's (llama-server on a CPU box, the engine on a CUDA GPU)")
     p.add_argument("--workers", type=int, help="worker actors (default: one per GPU, one on a CPU box)")
     p.add_argument("--redis-url", dest="redis_url", help="Redis for the prefix index and keys (default in-process)")
-    p.add_argument("--model", help="GGUF file to serve (default: the bundled Gemma 3 270M)")
+    p.add_argument("--model", help="serve only this GGUF file or bundled model (gemma-3-270m, smollm2-135m-instruct); "
+                   "default: both bundled models, or the config's models")
     p.add_argument("--device-profile", dest="device_profile", help="device profile name (default: detected)")
     p.add_argument("--gateway-replicas", dest="gateway_replicas", type=int, help="gateway ingress replicas")
     p.add_argument("--ray-address", dest="ray_address", help="join this Ray cluster ('auto': the running one)")

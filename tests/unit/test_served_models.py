@@ -109,3 +109,10 @@ def test_bundled_model_names_resolve_to_gguf_files():
 
 def test_model_config_describes_every_field():
     assert all(f.description for f in ModelConfig.model_fields.values())
+
+
+def test_a_bundled_model_named_alone_is_served_under_its_own_name():
+    cfg = load_config(overrides={"model": {"path": "smollm2-135m-instruct"}}, environ={})  # --model smollm2-...
+    assert [m.name for m in cfg.models] == ["smollm2-135m-instruct"]
+    named = load_config(overrides={"model": {"path": "smollm2-135m-instruct", "name": "chat"}}, environ={})
+    assert named.model.name == "chat"
