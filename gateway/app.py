@@ -44,7 +44,7 @@ class Gateway:
         app.router.add_get("/pulse/workers", self.workers)
         # the status page: GET / and /ui, its JSON at /pulse/status
         StatusBoard(self.pool, self.metrics, self.service.dispatcher, self.service.auth,
-                    models=lambda: [self._model_card()["id"]]).attach(app)
+                    models=lambda: [m.name for m in self.service.models.models]).attach(app)
         return app
 
     @web.middleware

@@ -1,6 +1,6 @@
 """The status page: `GET /` and `/ui` serve it (gateway/ui/), `GET /pulse/status` feeds it JSON.
 
-    board = StatusBoard(pool, metrics, dispatcher, auth, models=lambda: ["gemma-3-270m"])
+    board = StatusBoard(pool, metrics, dispatcher, auth, models=lambda: ["gemma-3-270m"])  # served models
     board.attach(app)     # routes, the error recorder (middleware), the once-a-second sampler
 
 What /pulse/status shows comes from what the gateway already keeps: the workers' polled stats
@@ -194,7 +194,7 @@ class StatusBoard:
         drafted, accepted = sum(s.drafted_by_position), sum(s.accepted_by_position)
         return {
             "id": w.worker_id, "node": info.node_id, "device": info.device, "device_id": info.device_id,
-            "backend": info.backend, "models": self.models(),
+            "backend": info.backend, "models": [info.model] if info.model else self.models(),
             "healthy": w.routable(now), "why": _why(w, now),
             "running": s.running, "waiting": s.waiting, "slots": s.slots, "inflight": w.inflight,
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,

@@ -324,7 +324,7 @@
     // floors keep an idle chart's axis readable (0 to 10 tokens/s, not 0 to 1)
     const tps = drawChart($("chart-tps"), 1, (v) => num(v), true, "Tokens per second", 10);
     const ttft = drawChart($("chart-ttft"), 2, ms, false, "Time to first token, median", 100);
-    const waiting = drawChart($("chart-waiting"), 3, (v) => num(v, 0), true, "Waiting requests", 4);
+    const waiting = drawChart($("chart-waiting"), 3, (v) => num(v), true, "Waiting requests", 4);
     $("now-tps").textContent = tps === null ? "" : num(tps);
     $("now-ttft").textContent = ttft === null ? "" : ms(ttft);
     $("now-waiting").textContent = waiting === null ? "" : num(waiting, 0);

@@ -151,8 +151,28 @@ def test_page_is_self_contained_and_its_json_is_live(server):
     assert all(p[0] > s["series"]["points"][-1][0] for p in later["series"]["points"])
 
 
+def unknown_model(server, secret: str) -> None:
+    """A chat naming a model that is not served (404, whose message quotes the name back to its caller)."""
+    body = json.dumps({"model": secret, "messages": [{"role": "user", "content": secret}]}).encode()
+    req = urllib.request.Request(server.base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 404 and secret.encode() in e.value.read()
+
+
+def test_recent_errors_name_the_code_but_repeat_nothing_a_client_sent(server):
+    secret = "my-private-prompt-text"
+    unknown_model(server, secret)
+    status, _, raw = get(server.base + "/pulse/status")
+    assert status == 200 and secret.encode() not in raw
+    err = json.loads(raw)["errors"][0]
+    assert (err["status"], err["code"], err["path"], err["message"]) == (404, "model_not_found",
+                                                                          "/v1/chat/completions", None)
+
+
 def test_page_shows_every_worker_and_live_tokens_per_s(server, page, tmp_path):
     ids = worker_ids(server)
+    unknown_model(server, "no-such-model")
     with Traffic(server.base) as traffic:
         page.goto(server.base + "/")
         for wid in ids:
@@ -168,6 +188,7 @@ def test_page_shows_every_worker_and_live_tokens_per_s(server, page, tmp_path):
         assert all(wid in text for wid in ids), text
         assert "healthy" in text and MODEL in text and "KV blocks" in text
         assert page.inner_text("#conn") == "2/2 workers healthy"
+        assert "model_not_found" in page.inner_text("#errors")
         shot(page, tmp_path, "status-page")
     assert traffic.statuses and set(traffic.statuses) == {200}
     # the gateway's minute figures count that traffic
