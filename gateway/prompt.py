@@ -86,11 +86,14 @@ class PromptBuilder:
         # message text between two control tokens: tokenized with special tokens off, cached by its text
         self.text_pieces = PieceTokenizer(_text_mode(tokenizer), [], max_bytes=cache_bytes)
         self._runs_are_local = _pipeline_is_piece_local(tokenizer)
+        self._embedded = template is not None
         # an embedded template that takes `tools` gets them as data; others get gateway/tools.py's instructions
         self.native_tools = template is not None and "tools" in template
 
     def chat(self, messages: list[Message], tools: list[dict] | None = None) -> Prompt:
         rows = [_row(m) if self.native_tools else {"role": m.role, "content": _content(m)} for m in messages]
+        if self._embedded:  # templates written before OpenAI's `developer` role know it as `system`
+            rows = [{**r, "role": "system"} if r["role"] == "developer" else r for r in rows]
         for i, row in enumerate(rows):
             if OPEN in row["content"] or CLOSE in row["content"]:
                 raise APIError(400, "message content holds the Unicode noncharacters U+FDD0/U+FDD1",

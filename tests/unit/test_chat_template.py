@@ -42,6 +42,11 @@ def test_the_ggufs_own_template_renders_with_the_generation_prompt(smol):
     assert p.ids == tok.encode(p.text, add_special_tokens=False).ids  # no BOS: the GGUF's add_bos_token is off
 
 
+def test_the_developer_role_is_the_system_role_to_an_embedded_template(smol):
+    p = smol.chat([Message(role="developer", content="Be terse."), *user("Hi")])
+    assert p.text.startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi")
+
+
 def test_gemma_without_a_template_keeps_its_turn_format(gemma):
     assert load_model_info().chat_template is None
     p = gemma.chat([Message(role="system", content="Be brief."), *user("Hi")])
