@@ -19,7 +19,10 @@ class PulseModel(BaseModel):
 class ServerConfig(PulseModel):
     host: str = Field("127.0.0.1", description="Address the gateway's HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the gateway's HTTP server (0: any free port).")
-    gateway_replicas: int = Field(1, ge=1, description="Gateway ingress replicas (Ray Serve); they share the port.")
+    gateway_replicas: int | None = Field(
+        None, ge=1, description="Gateway ingress replicas (Ray Serve); they share the port. Empty: one per four "
+        "of the box's cores, 1 to 8 (pulse.serve.gateway_replicas), leaving the rest to workers and Ray."
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="Largest request header line accepted.")
     max_messages: int = Field(2048, ge=1, description="Most chat messages in one request.")

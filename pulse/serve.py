@@ -6,9 +6,13 @@ they run, and the local Ray instance), leaving no processes behind.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
@@ -21,6 +25,20 @@ NAMESPACE = "pulse"
 
 def worker_count(config: PulseConfig, gpus: float) -> int:
     return config.workers.count or max(1, int(gpus))
+
+
+def gateway_replicas(config: PulseConfig, cores: int | None = None) -> int:
+    """The configured gateway replicas, else one per four of the box's cores, from 1 to 8.
+
+    A replica is one event loop: it uses at most one core, and at 32 streams it is the first thing to
+    saturate. The other three quarters go to what shares the box: the workers (the engine's scheduler
+    thread, llama-server's threads) and Ray (GCS, raylet, Serve's controller). Past 8, every replica's
+    poll of every worker costs more than another loop brings. A 2-core box keeps one replica."""
+    if config.server.gateway_replicas:
+        return config.server.gateway_replicas
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores // 4, 8))
 
 
 def gpu_share(workers: int, gpus: float) -> float:
@@ -102,11 +120,18 @@ def serve_main(config: PulseConfig) -> int:
         for info in infos:
             print(f"pulse: worker {info.worker_id} ready ({info.model}: {info.backend} on {info.device})", flush=True)
         serve.start(proxy_location="Disabled")
-        options: dict = {"num_replicas": config.server.gateway_replicas}
+        replicas = config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (ingress)
+        actor_options: dict = {"num_cpus": 0}
         if config.server.ray_address is not None:
             # in a cluster the gateway stays on the head node, where clients find it
-            options["ray_actor_options"] = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-        app = GatewayIngress.options(**options).bind(config.model_dump_json(), names)
+            actor_options["resources"] = {"node:__internal_head__": 0.001}
+        if replicas > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # one /metrics for the node: every replica writes its series where any replica's scrape sums them
+            metrics_dir = tempfile.mkdtemp(prefix="pulse-metrics-")
+            atexit.register(shutil.rmtree, metrics_dir, True)
+            actor_options["runtime_env"] = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}}
+        app = GatewayIngress.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
+            config.model_dump_json(), names)
         serve.run(app, name="pulse", route_prefix=None, blocking=False)
         host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
         base = f"http://{host}:{config.server.port}"

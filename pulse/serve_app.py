@@ -15,7 +15,7 @@ from ray import serve
 from gateway.ingress import GatewayIngress
 from policy.config import PulseConfig
 from pulse.config import load_config
-from pulse.serve import start_workers
+from pulse.serve import gateway_replicas, start_workers
 from workers.protocol import WorkerInfo
 
 
@@ -44,10 +44,11 @@ class WorkerSupervisor:
 
 
 def build_app(config: PulseConfig):
+    config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (gateway/ingress.py)
     cfg = config.model_dump_json()
     # the gateway stays on the head node, where clients (and KubeRay's gateway Service) find it
     head = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-    return GatewayIngress.options(num_replicas=config.server.gateway_replicas, ray_actor_options=head).bind(
+    return GatewayIngress.options(num_replicas=gateway_replicas(config), ray_actor_options=head).bind(
         cfg, None, WorkerSupervisor.bind(cfg))
 
 
