@@ -57,6 +57,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     from gateway.metrics import GatewayMetrics
     from gateway.quota import open_quota
     from gateway.router import PrefixRouter
+    from gateway.spans import QuietTracer
     from workers.protocol import telemetry as tm
 
     models = ModelCatalog.build(config)
@@ -64,7 +65,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s,
                       block_index=None if config.redis.url else index)
     provider = tm.setup_tracing(config.telemetry, role="gateway")
-    tracer = provider.get_tracer("pulse.gateway")
+    tracer = QuietTracer(provider.get_tracer("pulse.gateway"))  # no child spans when not recorded
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
     dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission), metrics,
                             tracer, context_length=models.default.context_length, index=index)

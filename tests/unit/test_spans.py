@@ -1,0 +1,32 @@
+"""The gateway's QuietTracer: real child spans when spans are recorded, none when they are not."""
+from __future__ import annotations
+
+from gateway.spans import QuietTracer
+from policy.config import TelemetryConfig
+from workers.protocol import telemetry as t
+
+
+def _run(tracer) -> tuple[object, object]:
+    ctx = t.extract_context({})
+    with tracer.start_as_current_span("POST /v1/chat/completions", context=ctx) as root:
+        with tracer.start_as_current_span("pulse.route") as child:
+            child.set_attribute("pulse.worker", "w0")
+    return root, child
+
+
+def test_recorded_children_are_real_spans():
+    provider = t.setup_tracing(TelemetryConfig(traces_exporter="memory"), "gateway", set_global=False)
+    root, child = _run(QuietTracer(provider.get_tracer("test")))
+    spans = {s.name: s for s in provider.exporters[0].get_finished_spans()}
+    assert set(spans) == {"POST /v1/chat/completions", "pulse.route"}
+    assert spans["pulse.route"].parent.span_id == spans["POST /v1/chat/completions"].context.span_id
+    assert spans["pulse.route"].attributes["pulse.worker"] == "w0"
+    assert child is not root
+
+
+def test_unrecorded_children_are_the_root_and_it_keeps_its_ids():
+    provider = t.setup_tracing(TelemetryConfig(traces_exporter="none"), "gateway", set_global=False)
+    root, child = _run(QuietTracer(provider.get_tracer("test")))
+    assert child is root  # no span was made; set_attribute went to the non-recording root (a no-op)
+    assert not root.is_recording()
+    assert root.get_span_context().trace_id != 0  # log lines and the worker still get a trace id
