@@ -33,6 +33,7 @@ from gateway.auth import KeyAuth
 from gateway.dispatch import Dispatcher
 from gateway.pool import WorkerState
 from gateway.models import ModelCatalog, ServedModel
+from gateway import structured
 from gateway import tools as agent_tools
 from gateway.responses import Shaper
 from policy.config import PulseConfig
@@ -122,6 +123,7 @@ class CompletionService:
                  metrics, tracer):
         self.cfg, self.models, self.dispatcher, self.auth = config, models, dispatcher, auth
         self.metrics, self.tracer = metrics, tracer
+        self.schemas = structured.SchemaChecker()  # compiles request schemas off the event loop
         self._limits = dict(max_stop_strings=config.server.max_stop_strings,
                             max_stop_length=config.server.max_stop_length)
 
@@ -215,7 +217,9 @@ class CompletionService:
             try:
                 with self.tracer.start_as_current_span(tm.SPAN_ADMISSION + ".auth"):
                     key = await self.auth.authenticate(credentials(request.headers))
-                call = await prepare(body, key)
+                with structured.deferred() as schemas:
+                    call = await prepare(body, key)
+                await self.schemas.check(schemas)
                 gen = call.gen
                 grant = await self.auth.acquire(key, len(gen.prompt_ids))
                 gen.priority, gen.tenant = self.auth.placement(key, gen.priority)
