@@ -5,8 +5,9 @@
   decode steps to fp16 / bf16 tolerance, with every workspace buffer and the KV cache filled with NaN first
   (a row or slot a kernel forgets to write shows up);
 - the real SmolLM2 135M Instruct GGUF (Q4_1): greedy continuations through the whole engine (scheduler, paged
-  cache, CUDA graphs) on several prompts agree with the CPU engine's, whose tokens
-  tests/integration/test_engine_llamacpp_parity.py checks against llama.cpp's; last-position logits close.
+  cache, CUDA graphs) on several prompts agree with the CPU engine's (whose tokens
+  tests/integration/test_engine_llamacpp_parity.py checks against llama.cpp's) and, where llama-server is
+  built, with llama.cpp's own; last-position logits close.
 """
 from __future__ import annotations
 
@@ -159,27 +160,66 @@ def encode(info, tok, text: str) -> list[int]:
     return ([info.bos_token_id] if info.add_bos else []) + tok.encode(text, add_special_tokens=False).ids
 
 
+def greedy(engine, info, tok, n: int) -> list[list[int]]:
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    outs = {str(i): [] for i in range(len(PROMPTS))}
+    for i, text in enumerate(PROMPTS):
+        engine.add(GenerateRequest(request_id=str(i), prompt_ids=encode(info, tok, text), max_tokens=n,
+                                   sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.request_id] += o.token_ids
+    return [outs[str(i)] for i in range(len(PROMPTS))]
+
+
+def test_real_model_greedy_matches_llamacpp(smollm2, tmp_path):
+    """The GPU engine's first N_MATCH greedy tokens against llama-server's on the same file (prompt as ids)."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from tests.integration.llama_server_helpers import llama_server_binary
+    from workers.cupy.gpu import create_gpu_engine
+    from workers.llama_server.flags import server_argv, supported_flags
+    from workers.llama_server.process import LlamaServerProcess
+
+    info, weights, tok = smollm2
+    binary = llama_server_binary()  # a skip where it is not built (a failure under CI / PULSE_REQUIRE_LLAMA_SERVER)
+    engine = create_gpu_engine(info, weights, block_size=BS, num_blocks=512, max_num_seqs=8, max_step_tokens=1024,
+                               context_length=2048)
+    ours = greedy(engine, info, tok, N_MATCH)
+    flags = supported_flags(binary)
+    proc = LlamaServerProcess(lambda port: server_argv(binary, flags, model=info.path, port=port, slots=1,
+                                                       kv_tokens=2048, profile_args=[]),
+                              name="llama-gpu-parity", log_path=tmp_path / "llama-server.log")
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(proc.start())
+    try:
+        for text, mine in zip(PROMPTS, ours):
+            body = {"prompt": encode(info, tok, text), "n_predict": N_MATCH, "temperature": 0.0, "top_k": 1,
+                    "ignore_eos": True, "return_tokens": True, "cache_prompt": False, "stream": False}
+            req = urllib.request.Request(proc.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                theirs = json.loads(r.read())["tokens"]
+            assert mine == theirs, f"{text!r}: GPU engine {mine} llama.cpp {theirs}"
+    finally:
+        loop.run_until_complete(proc.stop())
+        loop.close()
+
+
 def test_real_model_greedy_matches_cpu(smollm2):
     from workers.cupy.engine import create_engine
     from workers.cupy.gpu import create_gpu_engine
-    from workers.protocol import GenerateRequest, SamplingParams
 
     info, weights, tok = smollm2
     kw = {"block_size": BS, "num_blocks": 512, "max_num_seqs": 8, "max_step_tokens": 1024, "context_length": 2048}
     engines = {"cpu": create_engine(info, weights, np, **kw), "gpu": create_gpu_engine(info, weights, **kw)}
     assert type(engines["gpu"].model).__name__ == "GpuLlama"
-    results = {}
-    for name, eng in engines.items():
-        outs = {str(i): [] for i in range(len(PROMPTS))}
-        for i, text in enumerate(PROMPTS):
-            eng.add(GenerateRequest(request_id=str(i), prompt_ids=encode(info, tok, text), max_tokens=N_TOKENS,
-                                    sampling=SamplingParams(temperature=0.0), ignore_eos=True))
-        while eng.has_work():
-            for o in eng.step():
-                outs[o.request_id] += o.token_ids
-        results[name] = outs
+    results = {name: greedy(eng, info, tok, N_TOKENS) for name, eng in engines.items()}
     for i in range(len(PROMPTS)):
-        cpu, gpu = results["cpu"][str(i)], results["gpu"][str(i)]
+        cpu, gpu = results["cpu"][i], results["gpu"][i]
         assert len(cpu) == len(gpu) == N_TOKENS
         # fp16 against fp32: the first N_MATCH agree (the llama.cpp parity criterion); later a near-tie may flip
         assert gpu[:N_MATCH] == cpu[:N_MATCH], f"prompt {i}: {gpu} vs {cpu}"
