@@ -19,6 +19,7 @@ from gateway.anthropic_events import MessagesEvents
 from gateway.completions import Call, CompletionService, credentials
 from gateway.errors import APIError, bad_param
 from gateway.openai_types import ChatRequest, Message, ToolCall, ToolCallFunction
+from gateway.structured import schema_text
 from gateway import tools as agent_tools
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -35,13 +36,15 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # accepted: every prompt's prefix is cached anyway
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
+    temperature: float | None = None  # sampling knobs older clients send (newer SDKs no longer do)
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
@@ -115,7 +118,23 @@ def chat_request(req: CountTokensRequest, **sampling) -> ChatRequest:
     tools = chat_tools(req.tools)
     choice, parallel = chat_tool_choice(req.tool_choice)
     return ChatRequest(model=req.model, messages=system + chat_messages(req.messages), tools=tools,
-                       tool_choice=choice if tools else None, parallel_tool_calls=parallel, **sampling)
+                       tool_choice=choice if tools else None, parallel_tool_calls=parallel,
+                       response_format=output_format(req.output_config), **sampling)
+
+
+def output_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`output_config.format` (a JSON schema) -> chat's `response_format`: the same constrained decoding."""
+    config = config or {}
+    if config.get("effort") is not None:
+        raise bad_param("output_config.effort", "`output_config.effort` is not supported by this model",
+                        code="unsupported_parameter")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+        raise bad_param("output_config.format", "`output_config.format` is {'type': 'json_schema', 'schema': {...}}")
+    schema_text(fmt["schema"], "output_config.format.schema")  # checked first: a 400 names this API's field
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[Message]:
@@ -195,8 +214,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
             raise bad_param(f"tools.{i}.type", f"tool type {kind!r} (a server or Anthropic-defined tool) is not "
                             "supported; only client tools with `input_schema` are", code="unsupported_value")
         fn = {"name": tool.get("name"), "description": tool.get("description") or ""}
-        if "input_schema" in tool:
+        if "input_schema" in tool:  # checked first: a 400 names this API's field
             fn["parameters"] = tool["input_schema"]
+            schema_text(tool["input_schema"], f"tools.{i}.input_schema")
         out.append({"type": "function", "function": fn})
     return out
 

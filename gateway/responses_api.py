@@ -23,6 +23,7 @@ from gateway.errors import APIError, bad_param
 from gateway.openai_types import ChatRequest, Message, ToolCall, ToolCallFunction
 from gateway.response_store import ResponseStore, StoreUnavailable
 from gateway.responses_events import ResponsesEvents
+from gateway.structured import schema_text
 from gateway import tools as agent_tools
 
 log = logging.getLogger("pulse.gateway.responses")
@@ -93,7 +94,7 @@ class ResponsesAPI:
         system = [Message(role="system", content=req.instructions)] if req.instructions else []
         chat = ChatRequest(model=req.model, messages=system + history + new, stream=req.stream,
                            max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                           tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
+                           tools=chat_tools(req.tools), tool_choice=_choice(req),
                            parallel_tool_calls=req.parallel_tool_calls, response_format=chat_format(req.text),
                            max_draft_tokens=req.max_draft_tokens)
         try:
@@ -261,8 +262,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
                             code="unsupported_value")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         fn.setdefault("parameters", {"type": "object", "properties": {}})
+        schema_text(fn["parameters"], f"tools[{i}].parameters")  # checked first: a 400 names this API's field
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _choice(req: ResponsesRequest) -> str | dict[str, Any] | None:
+    """Clients send `tool_choice: "auto"` with or without tools; without, a mode means nothing (a named
+    function still gets chat's 400)."""
+    if not req.tools and isinstance(req.tool_choice, str):
+        return None
+    return chat_tool_choice(req.tool_choice)
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -282,6 +292,8 @@ def chat_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise bad_param("text.format", "`text.format` must be an object")
     if fmt.get("type") == "json_schema":
+        if "schema" in fmt:
+            schema_text(fmt["schema"], "text.format.schema")  # checked first: a 400 names this API's field
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema") if k in fmt}}
     return fmt
 
