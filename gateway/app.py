@@ -43,7 +43,8 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/pulse/workers", self.workers)
         # the status page: GET / and /ui, its JSON at /pulse/status
-        StatusBoard(self.pool, self.metrics, self.service.dispatcher, self.service.auth,
+        dispatcher = self.service.dispatcher
+        StatusBoard(self.pool, self.metrics, dispatcher.gate, dispatcher.index, self.service.auth,
                     models=lambda: [m.name for m in self.service.models.models]).attach(app)
         return app
 

@@ -1,6 +1,6 @@
 """The status page: `GET /` and `/ui` serve it (gateway/ui/), `GET /pulse/status` feeds it JSON.
 
-    board = StatusBoard(pool, metrics, dispatcher, auth, models=lambda: ["gemma-3-270m"])  # served models
+    board = StatusBoard(pool, metrics, gate, index, auth, models=lambda: ["gemma-3-270m"])  # served models
     board.attach(app)     # routes, the error recorder (middleware), the once-a-second sampler
 
 What /pulse/status shows comes from what the gateway already keeps: the workers' polled stats
@@ -45,10 +45,13 @@ def _asset(name: str) -> bytes:
 
 
 class StatusBoard:
-    def __init__(self, pool, metrics, dispatcher, auth, *, models: Callable[[], list[str]],
+    """`pool`: gateway.pool.WorkerPool; `metrics`: GatewayMetrics; `gate`: the AdmissionGate (its queue);
+    `index`: the PrefixIndex routing asks, or None; `auth`: KeyAuth; `models`: the served model names."""
+
+    def __init__(self, pool, metrics, gate, index, auth, *, models: Callable[[], list[str]],
                  sample_s: float = 1.0, history_s: float = 900.0, max_errors: int = 50):
-        self.pool, self.metrics, self.auth, self.models = pool, metrics, auth, models
-        self.gate, self.index = dispatcher.gate, dispatcher.index
+        self.pool, self.metrics, self.gate, self.index, self.auth = pool, metrics, gate, index, auth
+        self.models = models
         self.sample_s = sample_s
         self.history = History(sample_s=sample_s, history_s=history_s)
         self.errors: deque[dict] = deque(maxlen=max_errors)

@@ -236,7 +236,7 @@
     body.replaceChildren(...errors.slice(0, 20).map((e) => {
       const tr = el("tr");
       tr.append(el("td", "", clock(e.time)), el("td", "", e.status), el("td", "mono", e.code),
-        el("td", "mono", e.path), el("td", "", e.message || ""));
+        el("td", "mono", e.path), el("td", e.message ? "" : "muted", e.message || "–"));
       return tr;
     }));
   }
