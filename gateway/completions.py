@@ -205,6 +205,20 @@ class CompletionService:
 
         return await self.serve(request, "chat" if kind == "chat" else "completions", prepare, body)
 
+    async def _prepare(self, prepare, body: bytes, key) -> Call:
+        """`prepare` with its schemas compiled off the event loop (gateway/structured.py). A failed check
+        parses once more with the verdicts cached, so the adapter raises the 400 in its own words."""
+        with structured.deferred() as schemas:
+            call = await prepare(body, key)
+        try:
+            await self.schemas.check(schemas)
+        except APIError as e:
+            if e.code in ("invalid_schema", "schema_too_complex"):
+                with structured.cached_only():
+                    await prepare(body, key)
+            raise
+        return call
+
     async def serve(self, request: web.Request, api: str, prepare, body: bytes) -> web.StreamResponse:
         """Run one generation request of any API: `await prepare(body, key)` gives its Call; `api` labels
         its metrics. Auth, quota, admission, routing, the relay and the accounting are the same for all."""
@@ -217,9 +231,7 @@ class CompletionService:
             try:
                 with self.tracer.start_as_current_span(tm.SPAN_ADMISSION + ".auth"):
                     key = await self.auth.authenticate(credentials(request.headers))
-                with structured.deferred() as schemas:
-                    call = await prepare(body, key)
-                await self.schemas.check(schemas)
+                call = await self._prepare(prepare, body, key)
                 gen = call.gen
                 grant = await self.auth.acquire(key, len(gen.prompt_ids))
                 gen.priority, gen.tenant = self.auth.placement(key, gen.priority)

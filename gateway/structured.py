@@ -12,7 +12,9 @@ thread pool (llguidance releases the GIL while it compiles), with limits, each a
 MAX_SCHEMA_BYTES per schema, MAX_REQUEST_SCHEMA_BYTES per request, COMPILE_TIMEOUT_S per compile; at most
 MAX_PENDING compiles run or wait at once (503 past that). Verdicts are cached by the schema text's
 SHA-256 (a bounded LRU; a schema that timed out is remembered as too slow). Outside `deferred()` (unit
-tests, tools) `schema_text` compiles inline, through the same cache.
+tests, tools) `schema_text` compiles inline, through the same cache; inside `cached_only()` it applies
+cached verdicts only (the chat core parses a request again that way when a deferred check failed, so that
+each API adapter names the parameter in its own words).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ _TOO_SLOW = f"it took longer than {COMPILE_TIMEOUT_S:g} s to compile"
 
 _encode = msgspec.json.Encoder().encode
 _pending: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("pulse_schemas", default=None)
+_CACHED_ONLY: list = []
 _verdicts: cachetools.LRUCache = cachetools.LRUCache(maxsize=4096)  # sha256(text) -> None (compiles) or why not
 _verdicts_lock = threading.Lock()  # inline checks may run on executor threads
 
@@ -57,6 +60,17 @@ def deferred():
     token = _pending.set(pending)
     try:
         yield pending
+    finally:
+        _pending.reset(token)
+
+
+@contextlib.contextmanager
+def cached_only():
+    """`schema_text` applies verdicts already cached and compiles nothing: to raise a failed check again
+    where the request is parsed (an API adapter names the parameter in its own words)."""
+    token = _pending.set(_CACHED_ONLY)
+    try:
+        yield
     finally:
         _pending.reset(token)
 
@@ -75,10 +89,14 @@ def schema_text(schema: Any, param: str) -> str:
         raise bad_param(param, f"`{param}` is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted",
                         code="schema_too_large")
     pending = _pending.get()
-    if pending is not None:
-        pending.append((text, param))
-    else:
+    if pending is None:
         _raise_if_bad(param, _verdict(text))
+    elif pending is _CACHED_ONLY:
+        with _verdicts_lock:
+            known = _verdicts.get(_key(text))
+        _raise_if_bad(param, known)
+    else:
+        pending.append((text, param))
     return text
 
 
@@ -98,6 +116,7 @@ def _verdict(text: str) -> str | None:
 
 
 def _raise_if_bad(param: str, error: str | None) -> None:
+    """The 400 for a failed verdict: codes schema_too_complex (timed out) and invalid_schema."""
     if error == _TOO_SLOW:
         raise bad_param(param, f"`{param}` is too complex: {error}", code="schema_too_complex")
     if error:
