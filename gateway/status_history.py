@@ -1,7 +1,7 @@
-"""The gateway's recent history for the status page: one reading a second, kept in bounded rings.
+"""The gateway's recent history for the status page: a reading every `sample_s`, kept in bounded rings.
 
-    history = History(sample_s=1.0, history_s=900)
-    history.add(Reading(...))            # the sampler, once a second
+    history = History(sample_s=2.0, history_s=900)
+    history.add(Reading(...))            # the sampler, every sample_s
     history.window(60)                   # figures over the last minute (requests/s, TTFT p50/p99, ...)
     history.points(since=wall_time)      # chart points over the last 15 minutes
 
@@ -59,7 +59,7 @@ def bucket_delta(new: Buckets, old: Buckets) -> Buckets:
 class History:
     """Readings for the minute figures (`minute_s` + 1 of them) and chart points for `history_s`."""
 
-    def __init__(self, *, sample_s: float = 1.0, history_s: float = 900.0, minute_s: float = 60.0):
+    def __init__(self, *, sample_s: float = 2.0, history_s: float = 900.0, minute_s: float = 60.0):
         self.sample_s = sample_s
         self._recent: deque[Reading] = deque(maxlen=int(minute_s / sample_s) + 1)
         self._points: deque[tuple[float, float, float | None, int]] = deque(maxlen=int(history_s / sample_s))

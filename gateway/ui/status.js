@@ -370,6 +370,7 @@
     $("try-stop").disabled = false;
     out.replaceChildren();
     out.setAttribute("aria-busy", "true");
+    stats.setAttribute("aria-busy", "true");  // announced once, when the answer is complete
     stats.textContent = "waiting for the first token…";
     const t0 = performance.now();
     let tFirst = null, chunks = 0, usage = null, worker = "";
@@ -409,6 +410,7 @@
     } finally {
       running = null;
       out.setAttribute("aria-busy", "false");
+      stats.setAttribute("aria-busy", "false");
       $("try-send").disabled = false;
       $("try-stop").disabled = true;
     }

@@ -146,7 +146,7 @@ def test_page_is_self_contained_and_its_json_is_live(server):
     s = json.loads(get(server.base + "/pulse/status")[2])
     assert s["access"] == "open" and s["models"] == [MODEL]
     assert sorted(w["id"] for w in s["workers"]) == sorted(worker_ids(server))
-    assert s["series"]["points"] and time.time() - s["series"]["points"][-1][0] < 2.5  # a reading a second
+    assert s["series"]["points"] and time.time() - s["series"]["points"][-1][0] < 3.5  # a reading every 2 s
     later = json.loads(get(server.base + f"/pulse/status?since={s['series']['points'][-1][0]}")[2])
     assert all(p[0] > s["series"]["points"][-1][0] for p in later["series"]["points"])
 
@@ -216,9 +216,10 @@ def test_try_it_streams_a_chat_with_its_tokens_per_s(server, page, tmp_path):
     shot(page, tmp_path, "try-it")
 
 
-@pytest.mark.parametrize("width,height", [(390, 844), (3840, 2160)])
-def test_fits_a_phone_and_a_4k_screen(server, page, tmp_path, width, height):
+@pytest.mark.parametrize("width,height,scheme", [(390, 844, "dark"), (3840, 2160, "light")])
+def test_fits_a_phone_and_a_4k_screen(server, page, tmp_path, width, height, scheme):
     page.set_viewport_size({"width": width, "height": height})
+    page.emulate_media(color_scheme=scheme)
     page.goto(server.base + "/")
     page.wait_for_selector("#workers article", timeout=WAIT_MS)
     assert page.evaluate("document.documentElement.scrollWidth") <= width
