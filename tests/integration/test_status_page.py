@@ -260,6 +260,7 @@ def test_keyed_page_asks_for_a_key_and_shows_no_fleet_data(server, page, tmp_pat
     page.wait_for_selector("#scope-notice", state="visible", timeout=WAIT_MS)
     page.wait_for_selector("#try", state="visible", timeout=WAIT_MS)
     assert page.is_hidden("#fleet") and not any(wid in page.content() for wid in ids)
+    shot(page, tmp_path, "plain-key")
 
     page.get_by_role("button", name="Forget key").click()
     page.get_by_role("textbox", name="API key", exact=True).fill(admin)
