@@ -372,6 +372,7 @@
     out.setAttribute("aria-busy", "true");
     stats.setAttribute("aria-busy", "true");  // announced once, when the answer is complete
     stats.textContent = "waiting for the first token…";
+    stats.dataset.state = "waiting";
     const t0 = performance.now();
     let tFirst = null, chunks = 0, usage = null, worker = "";
     try {
@@ -407,6 +408,7 @@
       showRate(stats, usage ? usage.completion_tokens : chunks, t0, tFirst, performance.now(), worker, true);
     } catch (e) {
       stats.textContent = e.name === "AbortError" ? "stopped" : "error: " + e.message;
+      stats.dataset.state = "failed";
     } finally {
       running = null;
       out.setAttribute("aria-busy", "false");

@@ -187,7 +187,8 @@ def test_page_shows_every_worker_and_live_tokens_per_s(server, page, tmp_path):
         text = page.inner_text("#workers")
         assert all(wid in text for wid in ids), text
         assert "healthy" in text and MODEL in text and "KV blocks" in text
-        assert page.inner_text("#conn") == "2/2 workers healthy"
+        page.wait_for_function("() => document.getElementById('conn').textContent === '2/2 workers healthy'",
+                               timeout=WAIT_MS)
         assert "model_not_found" in page.inner_text("#errors")
         shot(page, tmp_path, "status-page")
     assert traffic.statuses and set(traffic.statuses) == {200}
@@ -206,11 +207,15 @@ def test_try_it_streams_a_chat_with_its_tokens_per_s(server, page, tmp_path):
     # count the writes into the answer: a streamed answer arrives in several
     page.evaluate("""() => { window.answerWrites = 0; new MutationObserver(() => window.answerWrites++)
         .observe(document.getElementById('try-output'), {childList: true, characterData: true, subtree: true}); }""")
-    page.get_by_role("button", name="Send").click()
-    page.wait_for_selector("#try-stats[data-state='done']", timeout=WAIT_MS)
-    answer, stats = page.inner_text("#try-output"), page.inner_text("#try-stats")
-    assert answer.strip(), stats
-    assert page.evaluate("window.answerWrites") > 2, "the answer did not stream"
+    for _ in range(3):  # the box samples (temperature 1): a rare answer ends at once; ask again then
+        page.evaluate("window.answerWrites = 0")
+        page.get_by_role("button", name="Send").click()
+        page.wait_for_selector("#try-stats[data-state='done']", timeout=WAIT_MS)
+        answer, stats = page.inner_text("#try-output"), page.inner_text("#try-stats")
+        if answer.strip() and int(stats.split(" token")[0]) >= 8:
+            break
+    assert answer.strip() and int(stats.split(" token")[0]) >= 8, stats
+    assert page.evaluate("window.answerWrites") > 3, "the answer did not stream"
     rate = float(stats.split(" tokens/s")[0].rsplit("·", 1)[1].strip().replace(",", ""))
     assert rate > 0 and "worker " in stats, stats
     shot(page, tmp_path, "try-it")
