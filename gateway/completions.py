@@ -241,6 +241,8 @@ class CompletionService:
                                           seed=gen.sampling.seed, stream=call.stream, session_id=gen.session_id)
                 gen.trace_context = tm.inject_context()
                 rm = self.metrics.request(call.model, start, api=api)
+                if gen.session_id:  # another replica may have routed its last turn: see where it went
+                    await self.dispatcher.pool.fresh_blocks()
                 ticket = await self.dispatcher.open(gen)
                 worker, it, first = ticket.worker, ticket.chunks, ticket.first
                 span.set_attribute(tm.PULSE_WORKER, worker.worker_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 
 from ray import serve
 
@@ -62,12 +63,15 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
 
     models = ModelCatalog.build(config)
     index = build_index(config)
+    # several replicas without Redis: each has its own index; a turn naming a session pulls it fresh first
+    shared = (config.server.gateway_replicas or 1) > 1 and not config.redis.url
     pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s,
-                      block_index=None if config.redis.url else index)
+                      block_index=None if config.redis.url else index, block_sync_s=0.02 if shared else None)
     provider = tm.setup_tracing(config.telemetry, role="gateway")
     tracer = QuietTracer(provider.get_tracer("pulse.gateway"))  # no child spans when not recorded
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
-    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission), metrics,
+    router = PrefixRouter(index, config.routing, replicas_share=(config.server.gateway_replicas or 1) > 1)
+    dispatcher = Dispatcher(pool, router, AdmissionGate(config.admission), metrics,
                             tracer, context_length=models.default.context_length, index=index)
     auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,
                    open_when_empty=config.keys.open_when_empty)
@@ -87,9 +91,18 @@ async def run_gateway(gateway: Gateway, host: str, port: int, *, reuse_port: boo
     models = gateway.service.models
     models.fit_to_workers(gateway.pool.workers.values())
     gateway.service.dispatcher.context_length = models.default.context_length
-    runner, bound = await start_server(gateway.app(), host, port, reuse_port=reuse_port,
+    app = gateway.app()
+    app.on_response_prepare.append(_name_replica)
+    runner, bound = await start_server(app, host, port, reuse_port=reuse_port,
                                        max_header_bytes=gateway.service.cfg.server.max_header_bytes)
     return runner, bound
+
+
+REPLICA_ID = secrets.token_hex(4)  # this process's name in `x-pulse-gateway` (the replicas share one port)
+
+
+async def _name_replica(request, response) -> None:
+    response.headers["x-pulse-gateway"] = REPLICA_ID
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=5, graceful_shutdown_timeout_s=30)

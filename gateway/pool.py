@@ -67,9 +67,13 @@ class WorkerPool:
     """
 
     def __init__(self, discover: Discover, *, poll_interval_s: float = 0.5, first_byte_timeout_s: float = 60.0,
-                 breaker_threshold: int = 3, breaker_open_s: float = 5.0, block_index=None):
+                 breaker_threshold: int = 3, breaker_open_s: float = 5.0, block_index=None,
+                 block_sync_s: float | None = None):
         self._discover = discover
         self.block_index = block_index  # an in-process PrefixIndex fed from the workers' block logs
+        self.block_sync_s = block_sync_s  # see fresh_blocks; None: the poll alone feeds the index
+        self._blocks_at = 0.0  # when the last pull of every worker's block log started (monotonic)
+        self._blocks_pull: asyncio.Future | None = None  # the pull in flight, shared by all who wait for it
         self._poll_interval = poll_interval_s
         self._first_byte_timeout = first_byte_timeout_s
         self._breaker_threshold, self._breaker_open_s = breaker_threshold, breaker_open_s
@@ -110,6 +114,37 @@ class WorkerPool:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        if self.block_index is not None:
+            await self._sync_blocks(0.0)
+
+    async def fresh_blocks(self) -> None:
+        """Pull the workers' new block events now unless a pull started within `block_sync_s`.
+
+        Several gateway replicas without Redis each keep their own in-process index, fed by this pull; a
+        conversation's next turn may land on a replica that did not route its last one, and only the index
+        tells it which worker holds the conversation's blocks. Called before routing a request that names a
+        session, it closes the gap of up to one poll interval. One pull at a time, shared by every waiter."""
+        if self.block_index is not None and self.block_sync_s is not None:
+            await self._sync_blocks(self.block_sync_s)
+
+    async def _sync_blocks(self, max_age_s: float) -> None:
+        if self._blocks_pull is None:
+            if time.monotonic() - self._blocks_at <= max_age_s:
+                return
+            self._blocks_at = time.monotonic()
+            self._blocks_pull = asyncio.ensure_future(self._pull_all_blocks())
+            self._blocks_pull.add_done_callback(self._pull_done)
+        await asyncio.shield(self._blocks_pull)
+
+    def _pull_done(self, fut: asyncio.Future) -> None:
+        self._blocks_pull = None
+
+    async def _pull_all_blocks(self) -> None:
+        workers = [w for w in self.workers.values() if w.healthy]
+        for w, result in zip(workers, await asyncio.gather(*(self._pull_blocks(w) for w in workers),
+                                                           return_exceptions=True)):
+            if isinstance(result, Exception):  # the stats poll judges health; the index is only a hint
+                log.debug("block pull from %s failed: %s", w.worker_id, result)
 
     async def _poll(self, w: WorkerState, rediscover: bool = True) -> None:
         """Refresh one worker's load and health (and its block events); a failure marks it unhealthy and,
@@ -122,8 +157,6 @@ class WorkerPool:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
             w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
-            if self.block_index is not None:
-                await self._pull_blocks(w)
         except (aiohttp.ClientError, asyncio.TimeoutError, BackendError, OSError):
             w.healthy = False
             if rediscover:

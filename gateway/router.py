@@ -45,8 +45,10 @@ class RouteResult:
 
 class PrefixRouter:
     def __init__(self, index: PrefixIndex | None, cfg: RoutingConfig, *, sessions_max: int = 100_000,
-                 hash_cache_bytes: int = 64 << 20):
+                 hash_cache_bytes: int = 64 << 20, replicas_share: bool = False):
         self.index = index
+        # several gateway replicas: a session this one never routed may be another's, found in the index
+        self.replicas_share = replicas_share
         self.cfg = cfg
         self.sessions_max = sessions_max
         self._sessions: cachetools.LRUCache = cachetools.LRUCache(maxsize=sessions_max)  # session -> last worker
@@ -70,7 +72,7 @@ class PrefixRouter:
             prompt_tokens=len(gen.prompt_ids),
             max_tokens=gen.max_tokens,
             session_id=session,
-            session_worker=self._sessions.get(session) if session else None,
+            session_worker=self._session_worker(session, hits, len(gen.prompt_ids), workers),
             seq=next(self._seq),
         )
         decision = choose_worker(loads, hits, request, self.cfg)
@@ -80,6 +82,20 @@ class PrefixRouter:
         cpu_s += time.thread_time() - c0
         return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes, lookup_s,
                            cpu_s)
+
+    def _session_worker(self, session: str | None, hits: dict[str, int], prompt_tokens: int,
+                        workers: Sequence) -> str | None:
+        """Where the session's last turn went: this gateway's record; else, when gateway replicas share the
+        traffic, the worker the index shows holding at least half of this prompt (the conversation so far,
+        routed by another replica). Less than half is a shared system prompt, not this conversation."""
+        if not session:
+            return None
+        known = self._sessions.get(session)
+        if known is not None or not self.replicas_share or not hits:
+            return known
+        holder = max(hits, key=hits.__getitem__)
+        block_size = workers[0].info.block_size if workers else 0
+        return holder if 2 * hits[holder] * block_size >= prompt_tokens else None
 
     async def _hits(self, workers: Sequence, prompt_ids: list[int],
                     session: str | None) -> tuple[dict[str, int], bool, list[int] | None, float]:
