@@ -38,6 +38,9 @@ class DeviceProfile(PulseModel):
     kv_cache_tokens: int = Field(65536, ge=16, description="KV cache size in tokens (per worker).")
     max_draft_tokens: int = Field(4, ge=0, description="Upper bound on K on this device.")
     speculation: list[SpeculationRule] = Field(default_factory=list, description="K table, first match wins.")
+    draft_token_cost: float = Field(0.05, ge=0, description=(
+        "Cost of one more token in a step, as a fraction of a batch-1 decode step: what a draft token costs "
+        "when speculation weighs it against its expected acceptance (policy.speculation.choose_depth)."))
     llama_server_args: list[str] = Field(default_factory=list, description="llama-server flags for this box.")
     llama_server_slots: int = Field(4, ge=1, description="llama-server -np.")
     source: str = Field("", description="Where the figures come from (command, document).")

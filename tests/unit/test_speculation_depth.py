@@ -1,0 +1,80 @@
+"""Acceptance-aware speculation depth (policy.speculation.choose_depth): drafts that stop paying fall to
+depth 0 and probe now and then; drafts that keep paying stay at the table's cap. Driven by the real
+prompt-lookup drafter over synthetic token streams, with verification's keep rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost
+from workers.cupy.drafter import Drafter
+from workers.cupy.speculative import _accept_greedy
+
+CAP = 4
+COST = 0.05
+
+
+def decode(stream: list[int], prompt_len: int, concurrency: int = 1) -> list[int]:
+    """Generate `stream` after its first prompt_len tokens with speculation; the depth chosen each step."""
+    drafter, acc = Drafter(), Acceptance()
+    tokens, depths = list(stream[:prompt_len]), []
+    while len(tokens) < len(stream):
+        k = choose_depth(CAP, acc, concurrency, COST)
+        depths.append(k)
+        draft = drafter.propose(tokens, min(k, len(stream) - len(tokens) - 1))
+        truth = stream[len(tokens) : len(tokens) + len(draft) + 1]
+        emitted, kept = _accept_greedy(draft, truth)
+        if draft:
+            acc.update(len(draft), kept)
+        tokens += emitted
+    return depths
+
+
+def test_depth_falls_to_zero_when_drafts_never_match():
+    # random tokens from a small vocabulary: prompt lookup finds n-gram matches, their continuations are noise
+    stream = np.random.default_rng(0).integers(0, 40, 2000).tolist()
+    depths = decode(stream, 200)
+    tail = depths[len(depths) // 2 :]
+    assert np.mean([d == 0 for d in tail]) > 0.9
+    assert 0 < sum(d > 0 for d in tail) <= len(tail) // PROBE_EVERY + 1  # only probes, one token each
+    assert max(tail) == 1
+
+
+def test_depth_stays_at_the_cap_on_a_code_edit():
+    # the output copies a file from the prompt with one identifier renamed: lookup drafts are mostly right
+    rng = np.random.default_rng(1)
+    source = rng.integers(100, 5000, 600).tolist()
+    edited = [7 if t == source[10] else t for t in source]
+    depths = decode(source + [1, 2] + edited, len(source) + 2)
+    assert np.mean([d == CAP for d in depths]) > 0.9
+
+
+def test_a_sequence_whose_text_starts_repeating_recovers_through_probes():
+    rng = np.random.default_rng(2)
+    noise = rng.integers(0, 40, 1000).tolist()
+    block = rng.integers(100, 5000, 300).tolist()
+    depths = decode(noise + block + block, 100)
+    assert depths[-50:].count(CAP) > 40
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 64])
+def test_no_depth_beats_plain_decoding_without_acceptance(concurrency):
+    acc = Acceptance()
+    acc.rates = [0.0] * len(acc.rates)
+    assert choose_depth(CAP, acc, concurrency, COST) == 0
+
+
+def test_high_concurrency_wants_more_acceptance_per_draft():
+    """At one stream a draft costs ~nothing next to the step; at 64 the batch already fills the step."""
+    acc = Acceptance()
+    acc.rates = [0.3] * len(acc.rates)
+    assert choose_depth(CAP, acc, 1, COST) > 0
+    assert choose_depth(CAP, acc, 64, COST) == 0
+    assert tokens_per_cost(0.0, 0, 1, COST) == pytest.approx(1.0)
+
+
+def test_the_request_cap_and_table_still_bound_the_depth():
+    acc = Acceptance()
+    acc.rates = [1.0] * len(acc.rates)
+    assert choose_depth(2, acc, 1, COST) == 2
+    assert choose_depth(0, acc, 1, COST) == 0
