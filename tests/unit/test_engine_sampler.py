@@ -1,37 +1,46 @@
-"""The batched sampler on small, known distributions: which tokens each truncation keeps, and in what
-proportion a draw picks them."""
+"""The batched sampler on small, known distributions: which tokens each truncation keeps, in what
+proportion the keyed Gumbel-max draw picks them, and that a draw depends only on its key."""
 import numpy as np
 import pytest
+from scipy.stats import chisquare
 
-from workers.cupy.sampler import Sampler, SampleRow, uniform_for
+from workers.cupy.rng import NOISE_MAX, gumbel, row_key
+from workers.cupy.sampler import Sampler, SampleRow
 from workers.protocol import SamplingParams
 
 PROBS = np.array([0.5, 0.3, 0.1, 0.05, 0.05])
 LOGITS = np.log(PROBS).astype(np.float32)
-GRID = (np.arange(400) + 0.5) / 400  # evenly spread draws: the counts show the distribution exactly
+N = 4000
+KEYS = [row_key(12345, i) for i in range(N)]
 
 
-def draw_all(params: SamplingParams, logits=LOGITS, sampler=None, uniforms=GRID):
+def draw_all(params: SamplingParams, logits=LOGITS, sampler=None, keys=KEYS):
     sampler = sampler or Sampler(np)
-    rows = [SampleRow(params, float(u)) for u in uniforms]
+    rows = [SampleRow(params, k) for k in keys]
     tokens, _ = sampler.sample(np.tile(logits, (len(rows), 1)), rows)
     return tokens
 
 
-def test_greedy_rows_take_the_argmax_whatever_the_draw():
-    tokens = draw_all(SamplingParams(temperature=0.0))
-    assert set(tokens.tolist()) == {0}
+def assert_follows(tokens: np.ndarray, probs: np.ndarray) -> None:
+    support = np.flatnonzero(probs > 0)
+    assert set(tokens.tolist()) <= set(support.tolist())  # never a token outside the kept set
+    counts = np.bincount(tokens, minlength=probs.size)[support]
+    if support.size == 1:
+        return
+    assert chisquare(counts, probs[support] / probs[support].sum() * tokens.size).pvalue > 1e-3, counts
+
+
+def test_greedy_rows_take_the_argmax_whatever_the_key():
+    assert set(draw_all(SamplingParams(temperature=0.0)).tolist()) == {0}
+    assert set(draw_all(SamplingParams(top_k=1)).tolist()) == {0}
 
 
 def test_plain_sampling_follows_the_distribution():
-    counts = np.bincount(draw_all(SamplingParams(temperature=1.0)), minlength=5) / len(GRID)
-    np.testing.assert_allclose(counts, PROBS, atol=1 / len(GRID) + 1e-9)
+    assert_follows(draw_all(SamplingParams(temperature=1.0)), PROBS)
 
 
 def test_temperature_sharpens():
-    counts = np.bincount(draw_all(SamplingParams(temperature=0.5)), minlength=5) / len(GRID)
-    want = PROBS**2 / (PROBS**2).sum()
-    np.testing.assert_allclose(counts, want, atol=1 / len(GRID) + 1e-9)
+    assert_follows(draw_all(SamplingParams(temperature=0.5)), PROBS**2)
 
 
 @pytest.mark.parametrize(
@@ -47,33 +56,52 @@ def test_temperature_sharpens():
 def test_truncation_keeps_exactly_its_support_renormalised(params, support):
     tokens = draw_all(params)
     assert set(tokens.tolist()) == support
-    kept = np.array(sorted(support))
-    counts = np.bincount(tokens, minlength=5)[kept] / len(GRID)
-    np.testing.assert_allclose(counts, PROBS[kept] / PROBS[kept].sum(), atol=1 / len(GRID) + 1e-9)
+    assert_follows(tokens, np.where(np.isin(np.arange(5), sorted(support)), PROBS, 0))
 
 
 def test_a_nucleus_wider_than_the_candidates_falls_back_to_a_full_sort():
     logits = np.zeros(1000, np.float32)  # flat: top_p=0.5 keeps 500 tokens, more than 16 candidates
-    tokens = draw_all(SamplingParams(top_p=0.5), logits, Sampler(np, candidates=16), np.linspace(0, 0.999, 200))
+    tokens = draw_all(SamplingParams(top_p=0.5), logits, Sampler(np, candidates=16), KEYS[:200])
     assert len(set(tokens.tolist())) > 100
 
 
 def test_rows_with_different_settings_share_one_batch():
-    rows = [SampleRow(SamplingParams(temperature=0.0), 0.99), SampleRow(SamplingParams(top_k=2), 0.99),
-            SampleRow(SamplingParams(), 0.99)]
+    key = row_key(1, 0)
+    rows = [SampleRow(SamplingParams(temperature=0.0), key), SampleRow(SamplingParams(top_k=2), key),
+            SampleRow(SamplingParams(), key)]
     tokens, _ = Sampler(np).sample(np.tile(LOGITS, (3, 1)), rows)
-    assert tokens.tolist() == [0, 1, 4]
+    assert tokens[0] == 0 and tokens[1] in (0, 1)
+    alone = [Sampler(np).sample(LOGITS[None, :], [r])[0][0] for r in rows]
+    assert tokens.tolist() == alone  # a row's draw does not depend on its neighbours
 
 
-def test_seeded_draws_repeat_and_differ_by_position_and_seed():
-    rng = np.random.default_rng()
-    assert uniform_for(7, 3, rng) == uniform_for(7, 3, rng)
-    assert len({uniform_for(7, i, rng) for i in range(20)}) == 20
-    assert uniform_for(7, 3, rng) != uniform_for(8, 3, rng)
+def test_keys_repeat_and_differ_by_position_and_seed():
+    assert row_key(7, 3) == row_key(7, 3)
+    assert len({row_key(7, i) for i in range(100)}) == 100
+    assert row_key(7, 3) != row_key(8, 3)
+    assert row_key(-1, 0) == row_key(2**64 - 1, 0)  # seeds are taken mod 2^64
+
+
+def test_the_noise_is_gumbel_and_bounded():
+    g = gumbel(np, np.arange(1 << 18, dtype=np.uint32), row_key(3, 9))
+    assert g.max() < NOISE_MAX
+    assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.std() - np.pi / np.sqrt(6)) < 0.01
+
+
+def test_pruned_draw_equals_the_dense_draw_on_a_large_vocabulary():
+    """NumPy scores only the tokens that can still win; every token scored gives the same ids."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 50_000)) * 4).astype(np.float32)
+    rows = [SampleRow(SamplingParams(temperature=t), row_key(5, i)) for i, t in enumerate((1, 0.3, 2, 1, 0, 0.7))]
+    ids = np.arange(logits.shape[1], dtype=np.uint32)
+    dense = [int(np.argmax(logits[i] * np.float32(r.inv_temperature) + gumbel(np, ids, r.key)))
+             if not r.greedy else int(np.argmax(logits[i])) for i, r in enumerate(rows)]
+    assert Sampler(np).choose(logits, rows).tolist() == dense
 
 
 def test_logprobs_are_the_models_log_softmax_with_sorted_alternatives():
-    rows = [SampleRow(SamplingParams(temperature=0.0), 0.5, logprobs=3), SampleRow(SamplingParams(), 0.5)]
+    key = row_key(0, 0)
+    rows = [SampleRow(SamplingParams(temperature=0.0), key, logprobs=3), SampleRow(SamplingParams(), key)]
     _, lps = Sampler(np).sample(np.tile(LOGITS, (2, 1)), rows)
     (entry,) = lps[0]
     assert entry.token_id == 0 and entry.logprob == pytest.approx(np.log(0.5), abs=1e-5)

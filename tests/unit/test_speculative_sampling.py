@@ -1,17 +1,18 @@
-"""Speculation's acceptance rules on synthetic logits (no model): greedy keeps exactly the argmax chain;
-rejection sampling against a point-mass draft emits tokens distributed as the sampler's own distribution."""
+"""Speculation's acceptance rule on synthetic logits (no model): drafts are kept while they equal the
+sampler's keyed draws; greedy keeps exactly the argmax chain, and sampled rows emit tokens distributed as
+the sampler's own distribution (rejection sampling against a point-mass draft, with coupled draws)."""
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from workers.cupy.sampler import Sampler
+from workers.cupy.rng import row_key
+from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.sequence import Sequence
-from workers.cupy.speculative import _accept_greedy, _accept_sampled, _cut_at_stop
+from workers.cupy.speculative import _accept_greedy, _cut_at_stop
 from workers.protocol import SamplingParams
 
 V = 12
@@ -31,18 +32,17 @@ def test_cut_at_stop_and_at_the_token_limit():
 
 
 def _emitted(params: SamplingParams, logits: np.ndarray, draft: list[int], n: int, seed: int):
-    engine = SimpleNamespace(sampler=Sampler(np), rng=np.random.default_rng(seed))
-    out = []
-    for _ in range(n):
-        seq = Sequence("s", [0], max_tokens=100, sampling=params)
-        out.append(_accept_sampled(engine, seq, draft, logits))
+    """n verifications of `draft` over `logits` (one row per position), each with its own request seed."""
+    sampler, out = Sampler(np), []
+    for r in range(n):
+        rows = [SampleRow(params, row_key(seed * 1_000_003 + r, i)) for i in range(len(draft) + 1)]
+        targets, _ = sampler.sample(logits[: len(rows)], rows)
+        out.append(_accept_greedy(draft, targets.tolist()))
     return out
 
 
 def _target(params: SamplingParams, row: np.ndarray) -> np.ndarray:
-    from workers.cupy.sampler import SampleRow
-
-    kept = Sampler(np).truncated_probs(row[None, :], [SampleRow(params, 0.0)], np.array([params.temperature], np.float32))[0]
+    kept = Sampler(np).truncated_probs(row[None, :], [SampleRow(params)], np.array([params.temperature], np.float32))[0]
     return kept / kept.sum()
 
 
@@ -82,9 +82,12 @@ def _check(counts: Counter, p: np.ndarray, n: int) -> None:
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
 
 
-def test_seeded_rejection_sampling_is_reproducible():
+def test_seeded_verification_emits_what_plain_sampling_draws():
+    """The emitted tokens are the plain draws at their positions, whatever the draft."""
     logits = np.random.default_rng(2).normal(0, 1.5, (3, V)).astype(np.float32)
     params = SamplingParams(temperature=1.0, seed=77)
-    a = _emitted(params, logits, [1, 2], 5, seed=0)
-    b = _emitted(params, logits, [1, 2], 5, seed=99)
-    assert a == b
+    rows = [SampleRow(params, row_key(77, i)) for i in range(3)]
+    plain = Sampler(np).sample(logits, rows)[0].tolist()
+    for draft in ([plain[0], plain[1]], [plain[0], (plain[1] + 1) % V], [(plain[0] + 1) % V, 0]):
+        emitted, kept = _accept_greedy(draft, plain)
+        assert emitted == plain[: len(emitted)] and len(emitted) == kept + 1

@@ -14,7 +14,8 @@ import numpy as np
 
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
-from workers.cupy.sampler import Sampler, SampleRow, uniform_for
+from workers.cupy.rng import row_key
+from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import Sequence, SeqStatus
 from workers.protocol import GenerateRequest, TokenLogprob
@@ -69,6 +70,7 @@ class Engine:
         seq = Sequence(
             request_id=request.request_id, token_ids=prompt, max_tokens=min(request.max_tokens, room),
             sampling=request.sampling, stop_token_ids=frozenset(stop_ids), logprobs=request.logprobs,
+            seed=request.sampling.seed if request.sampling.seed is not None else int(self.rng.integers(1 << 63)),
         )
         if request.grammar is not None:
             if self.constraints is None:
@@ -103,6 +105,7 @@ class Engine:
             outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
         else:
             batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
+            self.sampler.stage([self.sample_row(scheduled[b][0]) for b in batch.sample_rows])
             logits = self.model.forward(batch, self.kv)
             for seq, n in scheduled:
                 seq.num_computed += n
@@ -120,25 +123,36 @@ class Engine:
         while now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
 
-    def _sample(self, logits, seqs: list[Sequence]) -> list[StepOutput]:
-        rows = [SampleRow(s.sampling, uniform_for(s.sampling.seed, s.num_output, self.rng), s.logprobs)
-                for s in seqs]
-        raw = None
-        if self.constraints is not None:  # grammar-constrained rows: disallowed tokens masked on the device
-            ids = [s.request_id for s in seqs]
-            if any(s.logprobs is not None and s.request_id in self.constraints for s in seqs):
-                raw = logits.copy()  # logprobs report the model's own distribution, not the masked one
-            logits = self.constraints.apply(logits, ids)
-        tokens, logprobs = self.sampler.sample(logits, rows)
-        if self.constraints is not None:
-            self.constraints.advance(ids, tokens.tolist())
-            if raw is not None:
-                logprobs = self.sampler._logprobs(raw, tokens, rows)
+    def sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
+        """The sampler's row for `seq`'s generated token number num_output + ahead."""
+        return SampleRow(seq.sampling, row_key(seq.seed, seq.num_output + ahead), seq.logprobs)
+
+    def _sample(self, logits, seqs: list[Sequence], index=None) -> list[StepOutput]:
+        """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it."""
+        rows = [self.sample_row(s) for s in seqs]
+        tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
             self.append_token(seq, token)
             outputs.append(self.output_for(seq, [token], lp))
         return outputs
+
+    def choose(self, logits, rows: list[SampleRow], ids: list[str], index=None, drafts=None):
+        """The sampler's tokens and logprobs for `rows` (request `ids`, one per row), grammar masks applied
+        first (`drafts`: {request id: draft} when rows are speculative verify positions); the constrained
+        rows' matchers advance unless drafts are given (verification advances them by what it keeps)."""
+        constrained = self.constraints is not None and any(i in self.constraints for i in ids)
+        if not constrained:
+            return self.sampler.sample(logits, rows, index)
+        if index is not None:
+            logits = logits[self.sampler.xp.asarray(np.asarray(index))]
+        masked = logits.copy()  # logprobs report the model's own distribution, not the masked one
+        masked = (self.constraints.apply(masked, ids) if drafts is None
+                  else self.constraints.apply_drafts(masked, ids, drafts))
+        tokens = self.sampler.choose(self.sampler.mask_truncated(masked, rows), rows)
+        if drafts is None:
+            self.constraints.advance(ids, tokens.tolist())
+        return tokens, self.sampler._logprobs(logits, tokens, rows)
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """Add a sampled token to `seq`; finish it on a stop token or at its token limit."""

@@ -1,11 +1,14 @@
 """Next-token sampling for a whole batch at once, on the device (`xp`), so 262k-entry logit rows never
 travel to the host: only the chosen ids (and asked-for logprobs) do.
 
-Truncation is by thresholds, vectorised over rows: each row gets the smallest probability it keeps
-(top-k: the k-th largest; top-p: the last one of the nucleus, measured after top-k; min-p: min_p times
-the largest) and one inverse-CDF draw picks among the tokens at or above it. The draw's uniform number
-comes from the request's own generator keyed by (seed, token index), so a seeded request gives the
-same tokens whatever else shares its batch, and after a preemption.
+One rule for every row: the token is the argmax of `logits / T + g`, where g is Gumbel noise drawn from a
+counter-based generator keyed by (the request's seed, the token's index) and the vocabulary id (the
+Gumbel-max trick: that argmax is distributed exactly as softmax(logits / T)). Greedy rows (T = 0) take
+the plain argmax. So a draw needs no sort and no cumulative sum, the same pass serves greedy and sampled
+rows, and a seeded request gives the same tokens whatever else shares its batch, after a preemption, and
+with or without speculation (verification recomputes the very same draw at each drafted position:
+rng.py). top-k / top-p / min-p first mask the row to its kept tokens (thresholds below), then the same
+rule picks among them.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workers.cupy.rng import NOISE_MAX, gumbel
 from workers.protocol import SamplingParams, TokenLogprob
 
 # Rows keep their top CANDIDATES probabilities, sorted, to find top-k / top-p thresholds without sorting
@@ -23,15 +27,22 @@ CANDIDATES = 1024
 @dataclass
 class SampleRow:
     params: SamplingParams
-    uniform: float  # the draw in [0, 1) for this token
+    key: tuple[int, int] = (0, 0)  # rng.row_key(seed, token index): this token's draw
     logprobs: int | None = None  # None: not asked; N: the chosen token's logprob and N alternatives
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0 or self.params.top_k == 1
 
-def uniform_for(seed: int | None, token_index: int, rng: np.random.Generator) -> float:
-    """The request's draw for its `token_index`-th generated token: reproducible when seeded."""
-    if seed is None:
-        return float(rng.random())
-    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, token_index]).random())
+    @property
+    def inv_temperature(self) -> float:
+        return 0.0 if self.greedy else 1.0 / self.params.temperature
+
+    @property
+    def truncated(self) -> bool:
+        """Sampled with top-k, top-p or min-p: the row is masked before the draw."""
+        p = self.params
+        return not self.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
 class Sampler:
@@ -39,29 +50,68 @@ class Sampler:
         self.xp = xp
         self.candidates = candidates
 
-    def sample(self, logits, rows: list[SampleRow]) -> tuple[np.ndarray, list[list[TokenLogprob] | None]]:
-        """Chosen token per row (host int64 array) and, per row, its logprob entry when asked."""
-        xp = self.xp
-        tokens = xp.argmax(logits, axis=1)
-        temps = np.array([r.params.temperature for r in rows], np.float32)
-        greedy = (temps <= 0) | (np.array([r.params.top_k for r in rows]) == 1)
-        stochastic = np.flatnonzero(~greedy)
-        if stochastic.size:
-            sel = xp.asarray(stochastic)
-            tokens[sel] = self._draw(logits[sel], [rows[i] for i in stochastic], temps[stochastic])
-        host_tokens = tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)
-        return host_tokens.astype(np.int64), self._logprobs(logits, host_tokens, rows)
+    def stage(self, rows: list[SampleRow]) -> None:
+        """The coming step's rows, one per logits row, before its forward (a device sampler draws inside
+        the step); nothing to do here."""
 
-    def _draw(self, logits, rows: list[SampleRow], temps: np.ndarray):
+    def sample(self, logits, rows: list[SampleRow], index=None) -> tuple[np.ndarray, list]:
+        """Chosen token per row (host int64 array) and, per row, its logprob entry when asked.
+
+        `index`: when given, `logits` are the whole step's rows and these rows are `logits[index]`."""
+        if index is not None:
+            logits = logits[self.xp.asarray(np.asarray(index))]
+        masked = self.mask_truncated(logits, rows)
+        tokens = self.choose(masked, rows)
+        return tokens, self._logprobs(logits, tokens, rows)
+
+    def mask_truncated(self, logits, rows: list[SampleRow]):
+        """`logits` with every truncated row's dropped tokens at -inf (a copy when any row is truncated)."""
         xp = self.xp
-        kept = self.truncated_probs(logits, rows, temps)
-        cdf = xp.cumsum(kept, axis=1)
-        target = xp.asarray(np.array([r.uniform for r in rows], np.float32))[:, None] * cdf[:, -1:]
-        return xp.minimum((cdf <= target).sum(axis=1), kept.shape[1] - 1)
+        cut = [i for i, r in enumerate(rows) if r.truncated]
+        if not cut:
+            return logits
+        sel = xp.asarray(np.asarray(cut))
+        sub = [rows[i] for i in cut]
+        kept = self.truncated_probs(logits[sel], sub, np.array([r.params.temperature for r in sub], np.float32))
+        out = logits.copy()
+        out[sel] = xp.where(kept > 0, logits[sel], -np.inf)
+        return out
+
+    def choose(self, logits, rows: list[SampleRow]) -> np.ndarray:
+        """Gumbel-max per row (module docstring), host int64. On NumPy only the tokens that can still win
+        get noise: the noise is bounded above by NOISE_MAX, so a token whose scaled logit is below the best
+        one's score minus that bound never wins (exact, and ~100x less hashing than the whole row)."""
+        xp = self.xp
+        if xp is not np:
+            return self._choose_dense(logits, rows)
+        out = np.argmax(logits, axis=1).astype(np.int64)
+        for i, r in enumerate(rows):
+            if r.greedy:
+                continue
+            s = logits[i] * np.float32(r.inv_temperature)
+            j0 = int(out[i])
+            best = s[j0] + gumbel(np, np.array([j0], np.uint32), r.key)[0]
+            if not np.isfinite(best):  # the top token drew the -inf end of the noise: score every token
+                cand = np.arange(s.size, dtype=np.uint32)
+            else:
+                cand = np.flatnonzero(s >= best - np.float32(NOISE_MAX)).astype(np.uint32)
+            scores = s[cand] + gumbel(np, cand, r.key)
+            out[i] = int(cand[int(np.argmax(scores))])
+        return out
+
+    def _choose_dense(self, logits, rows: list[SampleRow]) -> np.ndarray:
+        """The same draw for every row at once (array modules other than NumPy)."""
+        xp = self.xp
+        inv_t = xp.asarray(np.array([r.inv_temperature for r in rows], np.float32))[:, None]
+        ids = xp.arange(logits.shape[1], dtype=xp.uint32)
+        noise = xp.stack([gumbel(xp, ids, r.key) for r in rows])
+        scores = xp.where(inv_t > 0, logits * inv_t + noise, logits)
+        tokens = xp.argmax(scores, axis=1)
+        return (tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)).astype(np.int64)
 
     def truncated_probs(self, logits, rows: list[SampleRow], temps: np.ndarray):
         """Per row, the distribution a draw samples from (temperature, then top-k/top-p/min-p), not
-        renormalised; speculation's rejection sampling uses it as the target distribution."""
+        renormalised."""
         xp = self.xp
         scaled = logits / xp.asarray(temps)[:, None]
         probs = xp.exp(scaled - scaled.max(axis=1, keepdims=True))
@@ -71,7 +121,6 @@ class Sampler:
 
     def _thresholds(self, probs, rows: list[SampleRow]):
         """Per row, the smallest probability kept after top-k, top-p and min-p."""
-        xp = self.xp
         vocab = probs.shape[1]
         top_k = np.array([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows])
         top_p = np.array([r.params.top_p for r in rows], np.float32)

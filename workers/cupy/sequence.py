@@ -35,6 +35,7 @@ class Sequence:
     arrival: int = 0  # admission order; preemption takes the newest first
     num_drafted: int = 0  # speculation: draft tokens proposed for this sequence (verified or not)
     num_accepted: int = 0  # speculation: draft tokens that verification kept
+    seed: int = 0  # the sampler's key: the request's seed, or one the engine drew for it (sampler.py)
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -2,20 +2,24 @@
 (drafter.py), verify every draft of the step in ONE forward over the paged KV cache, keep the accepted
 prefix plus one token from the model, and roll back the rest.
 
-K comes from policy.speculation.choose_k for every sequence at every step, with the engine's live running
-count, so the depth follows the real occupancy of the batch. A step in which no sequence has a draft is an
+K is chosen for every sequence at every step, with the engine's live running count, so the depth
+follows the real occupancy of the batch. A step in which no sequence has a draft is an
 ordinary engine step (engine.py), untouched.
 
 Verification of a sequence whose last token sits at position P, with drafts d1..dm: the step runs the
 tokens [last, d1..dm] at positions P..P+m and takes logits at all m + 1 of them. Position i's logits are
-the model's distribution for the token after d1..di, so:
-- greedy (temperature 0): d(i+1) is kept while it equals the argmax at position i; the first mismatch is
-  replaced by that argmax; if every draft is kept, the argmax after dm is a free extra token. The output is
-  exactly what one-token-at-a-time greedy decoding gives.
-- sampling: the draft is a point mass (n-gram / prediction drafts carry no distribution), so d(i+1) is
-  kept with probability p_i(d(i+1)), p the distribution the sampler draws from (temperature, top-k/p,
-  min-p); on rejection the token is drawn from p_i with d(i+1) removed, renormalised. Each emitted token
-  is then distributed exactly as p (the standard speculative sampling argument with q = a point mass).
+the model's distribution for the token after d1..di. The sampler draws the token at every position with the draw keyed for that token (seed, index:
+sampler.py); d(i+1) is kept while it equals the draw at position i, the first mismatch is replaced by
+that draw, and if every draft is kept the draw after dm is a free extra token. Greedy rows draw the
+argmax, so the output is exactly what one-token-at-a-time greedy decoding gives; sampled rows emit
+exactly the tokens plain sampling would have drawn. That is rejection sampling against a point-mass
+draft (n-gram / prediction drafts carry no distribution) with coupled draws: d(i+1) is kept with
+probability p_i(d(i+1)), and on rejection the token follows p_i with d(i+1) removed, renormalised.
+
+The depth each sequence drafts at comes from the profile's table (policy.speculation.choose_k) and
+that sequence's own acceptance so far (choose_depth): drafts that stop paying fall to 0, with a probe
+now and then.
+
 Rollback: rejected drafts' K/V were written at positions past the kept ones; the sequence's computed
 length is set to the kept tokens, so attention never reads them, later tokens overwrite them, and blocks
 that only held rejected positions go back to the free list (BlockManager.truncate). Only blocks full of
@@ -25,14 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from policy.profiles import DeviceProfile
-from policy.speculation import SCHEMA, TEXT, choose_k
+from policy.speculation import SCHEMA, TEXT, Acceptance, choose_depth, choose_k
 from workers.cupy.batch import build_batch
-from workers.cupy.device import to_host
 from workers.cupy.drafter import Drafter
-from workers.cupy.sampler import SampleRow, uniform_for
 from workers.cupy.sequence import Sequence
 
 
@@ -41,6 +41,7 @@ class _SeqSpec:
     drafter: Drafter
     cap: int | None  # the request's max_draft_tokens
     workload: str
+    acceptance: Acceptance  # this sequence's online acceptance by draft position
 
 
 class Speculator:
@@ -58,7 +59,7 @@ class Speculator:
     def attach(self, seq: Sequence, request) -> None:
         workload = SCHEMA if request.grammar is not None else TEXT
         drafter = Drafter(request.prediction_ids, seq.num_prompt_tokens)
-        self._seqs[seq.request_id] = _SeqSpec(drafter, request.max_draft_tokens, workload)
+        self._seqs[seq.request_id] = _SeqSpec(drafter, request.max_draft_tokens, workload, Acceptance())
 
     # --- drafting ----------------------------------------------------------------------------------
     def propose(self, engine, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
@@ -72,7 +73,8 @@ class Speculator:
             spec = self._seqs.get(seq.request_id)
             if spec is None or n != 1 or seq.num_remaining != 1:
                 continue  # only sequences decoding their next token draft (not prefill chunks)
-            k = choose_k(len(seq.token_ids), running, spec.workload, self.profile, spec.cap)
+            cap = choose_k(len(seq.token_ids), running, spec.workload, self.profile, spec.cap)
+            k = choose_depth(cap, spec.acceptance, running, self.profile.draft_token_cost)
             ks.append(k)
             # drafts past the token limit could never be emitted; the step's token budget bounds its time
             k = min(k, seq.max_tokens - seq.num_output - 1, budget)
@@ -96,60 +98,55 @@ class Speculator:
         """Run the step with every draft in it; returns (outputs, prefilled token count)."""
         runs = [(seq, n + len(drafts.get(b, []))) for b, (seq, n) in enumerate(scheduled)]
         batch = build_batch(runs, engine.blocks.block_size, engine.model.xp, drafts)
+        # every logits row is sampled: a drafting sequence's rows are its next tokens' draws in order
+        ahead, prev = [], None
+        for b in batch.sample_rows:
+            ahead.append(ahead[-1] + 1 if b == prev else 0)
+            prev = b
+        engine.sampler.stage([engine.sample_row(scheduled[b][0], a) for b, a in zip(batch.sample_rows, ahead)])
         logits = engine.model.forward(batch, engine.kv)
         plain_rows, plain_seqs, draft_rows, draft_groups = [], [], [], []
-        row = 0
         for b, (seq, n) in enumerate(scheduled):
-            if b in drafts:
-                draft_groups.append((seq, drafts[b]))
-                draft_rows += range(row, row + 1 + len(drafts[b]))
-                row += 1 + len(drafts[b])
-                continue
-            seq.num_computed += n  # as in a plain step: the whole chunk is now in the cache
-            engine.blocks.commit_full_blocks(seq)
-            if row < len(batch.sample_rows) and batch.sample_rows[row] == b:
+            if b not in drafts:
+                seq.num_computed += n  # as in a plain step: the whole chunk is now in the cache
+                engine.blocks.commit_full_blocks(seq)
+        for row, (b, a) in enumerate(zip(batch.sample_rows, ahead)):
+            seq = scheduled[b][0]
+            if b not in drafts:
                 plain_rows.append(row)
                 plain_seqs.append(seq)
-                row += 1
-        xp = engine.sampler.xp
+            else:
+                draft_rows.append(row)
+                if a == 0:
+                    draft_groups.append((seq, drafts[b]))
         outputs = []
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
-            outputs += engine._sample(logits[xp.asarray(np.asarray(plain_rows))], plain_seqs)
+            outputs += engine._sample(logits, plain_seqs, index=plain_rows)
         if draft_groups:
             outputs += self._accept(engine, logits, draft_rows, draft_groups)
         return outputs, batch.num_tokens - len(batch.sample_rows)
 
     def _accept(self, engine, step_logits, rows: list[int], groups: list[tuple[Sequence, list[int]]]):
-        """Accept/reject each group's drafts (its rows of `step_logits` are consecutive in `rows`), then
-        update it."""
-        constraints = engine.constraints
-        masked = constraints is not None and any(s.request_id in constraints for s, _ in groups)
-        chosen = _step_argmax(engine, step_logits)
-        if chosen is not None and not masked and all(_greedy(s) and s.logprobs is None for s, _ in groups):
-            # greedy and unconstrained: the argmax the model's step already took (GPU graphs) is all it needs
-            return self._accept_groups(engine, None, None, chosen[np.asarray(rows)], groups)
-        logits = step_logits[engine.sampler.xp.asarray(np.asarray(rows))]
-        raw = logits
-        if masked:
-            ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
-            if any(s.logprobs is not None and s.request_id in constraints for s, _ in groups):
-                raw = logits.copy()  # logprobs report the model's own distribution, not the masked one
-            logits = constraints.apply_drafts(logits, ids, {s.request_id: d for s, d in groups})
-        argmax = to_host(engine.sampler.xp.argmax(logits, axis=1))
-        return self._accept_groups(engine, logits, raw, argmax, groups)
-
-    def _accept_groups(self, engine, logits, raw, argmax: np.ndarray, groups: list[tuple[Sequence, list[int]]]):
+        """Each group's drafts against the sampler's own draws at its rows (`rows` of `step_logits`, each
+        group's consecutive): a draft is kept while it equals the token the sampler draws at its position
+        (the argmax when greedy), and the first draw that differs is emitted in its place. With the draws
+        keyed by (seed, token index), that is the token plain decoding would have drawn there: exact for
+        any temperature, and the same tokens as without speculation (sampler.py)."""
+        ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
+        sample_rows = [engine.sample_row(seq, i) for seq, d in groups for i in range(len(d) + 1)]
+        targets, lps = engine.choose(step_logits, sample_rows, ids, index=rows,
+                                     drafts={s.request_id: d for s, d in groups})
         outputs, row = [], 0
         for seq, draft in groups:
             width = len(draft) + 1
-            if _greedy(seq):
-                emitted, kept = _accept_greedy(draft, argmax[row : row + width].tolist())
-            else:
-                emitted, kept = _accept_sampled(engine, seq, draft, logits[row : row + width])
+            emitted, kept = _accept_greedy(draft, targets[row : row + width].tolist())
             self._count(seq, draft, kept)
             emitted = _cut_at_stop(seq, emitted)
             seq.num_accepted += min(kept, len(emitted))  # drafts past a stop are kept but not emitted
-            outputs.append(self._emit(engine, seq, emitted, raw, row))
+            entries = None
+            if seq.logprobs is not None:  # emitted token i is the draw at row i: its entry is that row's
+                entries = [lp for entry in lps[row : row + len(emitted)] for lp in entry]
+            outputs.append(self._emit(engine, seq, emitted, entries))
             row += width
         return outputs
 
@@ -158,14 +155,12 @@ class Speculator:
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < kept
         seq.num_drafted += len(draft)
+        spec = self._seqs.get(seq.request_id)
+        if spec is not None:
+            spec.acceptance.update(len(draft), kept)
 
-    def _emit(self, engine, seq: Sequence, emitted: list[int], raw, row: int):
+    def _emit(self, engine, seq: Sequence, emitted: list[int], lps):
         """Roll `seq` forward by the emitted tokens: all but the last already have K/V from this step."""
-        lps = None
-        if seq.logprobs is not None:
-            rows = [SampleRow(seq.sampling, 0.0, seq.logprobs)] * len(emitted)
-            per_row = engine.sampler._logprobs(raw[row : row + len(emitted)], np.asarray(emitted), rows)
-            lps = [lp for entry in per_row for lp in entry]
         seq.token_ids.extend(emitted[:-1])
         seq.num_computed = len(seq.token_ids)  # the last known token's K/V is the next step's to compute
         engine.blocks.commit_full_blocks(seq)
@@ -176,57 +171,12 @@ class Speculator:
         return engine.output_for(seq, emitted, lps)
 
 
-def _step_argmax(engine, step_logits) -> np.ndarray | None:
-    """Host argmax ids of every row of `step_logits` when the model computed them inside its step (the GPU
-    model's graphs do; `last_chosen` belongs to exactly the logits its forward returned), else None."""
-    model = engine.model
-    chosen = getattr(model, "last_chosen", None)
-    if chosen is None or step_logits is not getattr(model, "last_logits", None) or chosen.shape[0] != step_logits.shape[0]:
-        return None
-    return to_host(chosen)
-
-
-def _greedy(seq: Sequence) -> bool:
-    return seq.sampling.temperature <= 0 or seq.sampling.top_k == 1
-
-
 def _accept_greedy(draft: list[int], targets: list[int]) -> tuple[list[int], int]:
     """(emitted tokens, drafts kept): drafts while they match the model's argmax, then its own token."""
     kept = 0
     while kept < len(draft) and draft[kept] == targets[kept]:
         kept += 1
     return draft[:kept] + [targets[kept]], kept
-
-
-def _accept_sampled(engine, seq: Sequence, draft: list[int], logits) -> tuple[list[int], int]:
-    """Rejection sampling against a point-mass draft (module docstring); draws are seeded per token."""
-    xp, params = engine.sampler.xp, seq.sampling
-    rows = [SampleRow(params, 0.0)] * (len(draft) + 1)
-    kept_probs = engine.sampler.truncated_probs(logits, rows, np.full(len(rows), params.temperature, np.float32))
-    totals = to_host(kept_probs.sum(axis=1))
-    p_draft = to_host(kept_probs[xp.arange(len(draft)), xp.asarray(np.asarray(draft))]) / totals[: len(draft)]
-    for i, token in enumerate(draft):
-        index = seq.num_output + i  # the generated-token index this position fills
-        if _accept_uniform(params.seed, index, engine.rng) < p_draft[i]:
-            continue
-        residual = kept_probs[i].copy()
-        residual[token] = 0
-        return draft[:i] + [_draw(xp, residual, uniform_for(params.seed, index, engine.rng))], i
-    bonus = uniform_for(params.seed, seq.num_output + len(draft), engine.rng)
-    return draft + [_draw(xp, kept_probs[len(draft)], bonus)], len(draft)
-
-
-def _accept_uniform(seed: int | None, index: int, rng: np.random.Generator) -> float:
-    """The accept/reject draw for a token index: its own stream, apart from the token draws."""
-    if seed is None:
-        return float(rng.random())
-    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, 1]).random())
-
-
-def _draw(xp, weights, u: float) -> int:
-    """Inverse-CDF draw from unnormalised `weights` (one row), as the sampler draws."""
-    cdf = xp.cumsum(weights)
-    return int(min(int((cdf <= u * cdf[-1]).sum()), weights.shape[0] - 1))
 
 
 def _cut_at_stop(seq: Sequence, emitted: list[int]) -> list[int]:

@@ -1,7 +1,8 @@
 """The engine's CUDA half: fused kernels, cuBLAS through ctypes, decode steps as CUDA graphs.
 
 - kernels.cu / kernels.py  fused RMSNorm(+residual), QK-norm + RoPE + KV write, paged attention for mixed
-                           prefill/decode steps, gelu * up, argmax, graph input preparation
+                           prefill/decode steps, gelu * up, graph input preparation
+- sampling.cu              argmax fused with the sampler's draw (Gumbel-max, counter-based noise), logprobs
 - cublas.py                cublasGemmEx via ctypes (capturable in CUDA graphs, unlike CuPy's cuBLAS calls)
 - gemma3.py                GpuGemma3: the model on those kernels, same interface as workers/cupy/gemma3.Gemma3
 - llama.py, llama.cu       GpuLlama: Llama-family models on the same machinery (RoPE + KV write, residual norm,
@@ -18,32 +19,88 @@ from __future__ import annotations
 import numpy as np
 
 from workers.cupy.sampler import Sampler
+from workers.protocol import TokenLogprob
 
 
 class GpuSampler(Sampler):
-    """The engine's sampler, except that an all-greedy step takes the ids the model's argmax kernel already
-    chose inside the step (its CUDA graph), so only B int32 cross to the host."""
+    """The engine's sampler with the draw inside the step: before each forward the engine stages the rows'
+    parameters (`stage`) into the model's DeviceDraws, the step's argmax kernel (inside its CUDA graph)
+    draws every row by sampler.py's rule, and `sample` copies back only the ids (and logprobs when asked).
+    Rows the step could not draw (top-k/top-p/min-p, top alternatives, grammar-masked logits, a forward
+    that was not staged) take the eager path: the same rule, the same kernel, launched on their logits."""
 
-    def __init__(self, model, **kw):
+    def __init__(self, model, rows: int = 1024, **kw):
         import cupy
 
         super().__init__(cupy, **kw)
         self.model = model
-        self.engine = None  # set by create_gpu_engine: grammar masks (engine.constraints) void the kernel's argmax
+        self.engine = None  # set by create_gpu_engine
+        kernels = getattr(model, "kernels", None)
+        self.draws = None
+        if kernels is not None and hasattr(kernels, "sample"):
+            from workers.cupy.gpu.kernels import DeviceDraws
 
-    def _masked(self) -> bool:
-        c = getattr(self.engine, "constraints", None)
-        return c is not None and bool(getattr(c, "_matchers", True))
+            vocab = model.cfg.vocab_size
+            kernels.draws = self.draws = DeviceDraws(rows, vocab)
+        self._staged = None
 
-    def sample(self, logits, rows):
+    def stage(self, rows):
+        self._staged = None
+        if self.draws is not None and len(rows) <= self.draws.rows:
+            self.draws.load(rows)
+            self._staged = rows
+
+    def sample(self, logits, rows, index=None):
+        # the staged rows stay valid until the next stage(): only it writes the parameters the kernel reads, and
+        # one step may sample its rows in several calls (a verify step's plain rows, then its drafted ones)
+        if self._drawn_in_step(logits, rows, index, self._staged):
+            chosen = self.model.last_chosen
+            sel = np.arange(len(rows)) if index is None else np.asarray(index)
+            tokens = chosen.get()[sel].astype(np.int64)
+            lps = [None] * len(rows)
+            if any(r.logprobs is not None for r in rows):
+                values = self.draws.logprob[: chosen.shape[0]].get()[sel]
+                lps = [None if r.logprobs is None else [TokenLogprob(token_id=int(t), logprob=float(v))]
+                       for r, t, v in zip(rows, tokens, values)]
+            return tokens, lps
+        return super().sample(logits, rows, index)
+
+    def _drawn_in_step(self, logits, rows, index, staged) -> bool:
+        """Whether the step's own kernel drew exactly these rows: the very logits its forward returned, staged
+        with these rows (or, on a model without device draws, greedy rows of the plain argmax), no truncation
+        and no top alternatives to find."""
         chosen = getattr(self.model, "last_chosen", None)
-        # only for the very logits the step returned (not a subset of rows, as speculative verification
-        # passes) and not masked in place by a grammar
-        if (chosen is not None and logits is getattr(self.model, "last_logits", None)
-                and chosen.shape[0] == len(rows) and not self._masked()
-                and all((r.params.temperature <= 0 or r.params.top_k == 1) and r.logprobs is None for r in rows)):
-            return chosen.get().astype(np.int64), [None] * len(rows)
-        return super().sample(logits, rows)
+        if chosen is None or logits is not getattr(self.model, "last_logits", None):
+            return False
+        if any(r.truncated or (r.logprobs or 0) > 0 for r in rows):
+            return False
+        if index is None and chosen.shape[0] != len(rows):
+            return False
+        if self.draws is None:
+            return all(r.greedy and r.logprobs is None for r in rows)
+        sel = range(len(rows)) if index is None else index
+        return (staged is not None and len(staged) == chosen.shape[0]
+                and all(staged[i] == r for i, r in zip(sel, rows)))
+
+    def choose(self, logits, rows):
+        """The draw by the device kernel on (masked) logits, eagerly."""
+        import cupy as cp
+
+        from workers.cupy.gpu.kernels import DeviceDraws, argmax_chunks
+
+        kernels = getattr(self.model, "kernels", None)
+        logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+        s, v = logits.shape
+        if kernels is None or not hasattr(kernels, "sample") or v % 4:
+            return super().choose(logits, rows)
+        host = np.zeros((s, 4), np.int32)
+        DeviceDraws.pack(rows, host)
+        host[:, 3] = 0
+        n = argmax_chunks(v)
+        part = [cp.empty((s, n), t) for t in (cp.float32, cp.int32, cp.float32, cp.float32)]
+        out, lp = cp.empty((s,), cp.int32), cp.empty((s,), cp.float32)
+        kernels.sample(logits, cp.asarray(host), out, lp, *part)
+        return out.get().astype(np.int64)
 
 
 def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, max_num_seqs: int,

@@ -6,6 +6,7 @@ capture. Shapes follow the engine's flat step layout: T tokens, H hidden, activa
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -58,11 +59,12 @@ class Kernels:
         self.head_dim, self.group, self.act = head_dim, group, act
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
-            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "prepare", "advance", "spin", "gemv", "mlp_fused")}
+            "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "sample_partial", "sample_final", "prepare", "advance", "spin", "gemv", "mlp_fused")}
         # the norm modes stage 4 x M x K floats (80 KB at M=8, K=640): past the default 48 KB
         self._f["gemv"].max_dynamic_shared_size_bytes = 128 * 1024
         self._f["mlp_fused"].max_dynamic_shared_size_bytes = 128 * 1024
         self.use_pdl = os.environ.get("PULSE_GPU_PDL", "0") == "1"  # measured: no gain (NOTES.md)
+        self.draws: DeviceDraws | None = None  # set by the engine's GpuSampler: the step's argmax samples
 
     def _launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
         if pdl and self.use_pdl:
@@ -150,14 +152,30 @@ class Kernels:
         self._f["gelu_mul"]((blocks,), (256,), (gate_up, np.int32(f), np.int64(n), out))
 
     def argmax_rows(self, logits, out, part_v=None, part_i=None):
-        """First index of each row's maximum; two stages (ARGMAX_CHUNK logits per block) when scratch is given."""
+        """First index of each row's maximum; two stages (ARGMAX_CHUNK logits per block) when scratch is given.
+        With `draws` set (and room for the rows) the choice is the sampler's: each row's draw under its
+        parameters in `draws.params`, logprobs into `draws.logprob` (the step's graphs capture it so)."""
         s, v = logits.shape
         if part_v is None or v % 4:
             self._f["argmax_rows"]((s,), (ARGMAX_THREADS,), (logits, np.int32(v), out))
             return
+        d = self.draws
+        if d is not None and s <= d.rows and v == d.vocab:
+            self.sample(logits, d.params[:s], out, d.logprob[:s], part_v, part_i, d.part_m, d.part_s)
+            return
         n = argmax_chunks(v)
         self._f["argmax_partial"]((n, s), (256,), (logits, np.int32(v), part_v, part_i))
         self._f["argmax_final"]((s,), (32,), (part_v, part_i, np.int32(n), out))
+
+    def sample(self, logits, params, out, logprob, part_v, part_i, part_m, part_s):
+        """Per row of `logits`, the sampler's draw (sampling.cu): params (rows, 4) int32 as DeviceDraws
+        packs them; out (rows,) int32 ids; logprob (rows,) fp32, written for rows that ask."""
+        s, v = logits.shape
+        n = argmax_chunks(v)
+        assert v % 4 == 0 and min(part_v.shape[0], part_m.shape[0]) >= s and part_v.shape[1] == part_m.shape[1] == n
+        self._f["sample_partial"]((n, s), (256,), (logits, np.int32(v), params, part_v, part_i, part_m, part_s))
+        self._f["sample_final"]((s,), (32,), (part_v, part_i, np.int32(n), params, part_m, part_s, logits,
+                                              np.int32(v), out, logprob))
 
     def spin(self, ns: int):
         self._f["spin"]((1,), (1,), (np.int64(ns),))
@@ -170,3 +188,35 @@ class Kernels:
 
     def advance(self, chosen, n_live: int, tok, pos_in):
         self._f["advance"](((n_live + 127) // 128,), (128,), (chosen, np.int32(n_live), tok, pos_in))
+
+
+class DeviceDraws:
+    """Per-row sampling parameters on the device for up to `rows` logits rows, read by every step's argmax
+    (captured graphs included): key0, key1, 1/T as float bits, logprob wanted. Zeros mean greedy."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.rows, self.vocab = rows, vocab
+        self.params = cp.zeros((rows, 4), cp.int32)
+        self.logprob = cp.zeros((rows,), cp.float32)
+        self.part_m = cp.empty((rows, argmax_chunks(vocab)), cp.float32)
+        self.part_s = cp.empty((rows, argmax_chunks(vocab)), cp.float32)
+        self._host = cp.cuda.alloc_pinned_memory(self.params.nbytes)
+        self.host = np.frombuffer(self._host, np.int32, rows * 4).reshape(rows, 4)
+
+    @staticmethod
+    def pack(rows, out: np.ndarray) -> None:
+        """Sampler rows (workers/cupy/sampler.SampleRow) into `out` (len(rows), 4) int32."""
+        n = len(rows)
+        keys = np.array([r.key for r in rows], np.uint32).reshape(n, 2)
+        out[:, :2] = keys.view(np.int32)
+        out[:, 2] = np.array([r.inv_temperature for r in rows], np.float32).view(np.int32)
+        out[:, 3] = [r.logprobs is not None for r in rows]
+
+    def load(self, rows) -> None:
+        """Stage `rows` on the current stream; the pinned buffer is reused after the engine's next sync."""
+        n = len(rows)
+        if not n:
+            return
+        self.pack(rows, self.host[:n])
+        self.params[:n].data.copy_from_host_async(ctypes.c_void_p(self.host.ctypes.data), 16 * n,
+                                                  cp.cuda.get_current_stream())

@@ -1,0 +1,130 @@
+"""Sampling on the device (gpu/sampling.cu through Kernels.sample and GpuSampler) against the CPU sampler.
+
+- the kernel's draw is the NumPy sampler's draw: the same ids for the same logits and keys, greedy and
+  sampled rows in one launch, on a 262k vocabulary;
+- over many keys its draws follow softmax(logits / T) (chi-square), and truncated rows (top-k, top-p)
+  keep exactly their support;
+- the logprob it computes beside the draw is the log-softmax of the chosen token;
+- the real model on the GPU engine: a seeded request at temperature 1 gives the same tokens alone, in a
+  batch, and with speculation (verify graphs), and the steps' draws came from the graphs (no eager path).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from tests.gpu.test_gemma3_gpu import PROMPTS, real  # noqa: F401 (fixture)
+from workers.cupy.rng import row_key
+from workers.cupy.sampler import Sampler, SampleRow
+from workers.protocol import GenerateRequest, SamplingParams
+
+cp = pytest.importorskip("cupy")
+
+from workers.cupy.gpu import GpuSampler  # noqa: E402
+from workers.cupy.gpu.kernels import DeviceDraws, Kernels, argmax_chunks  # noqa: E402
+
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(scope="module")
+def k():
+    return Kernels(256, 4, "float16")
+
+
+def device_draw(k, logits: np.ndarray, rows: list[SampleRow]):
+    """(ids, logprobs) from one launch of the sampling kernels."""
+    s, v = logits.shape
+    params = np.zeros((s, 4), np.int32)
+    DeviceDraws.pack(rows, params)
+    n = argmax_chunks(v)
+    part = [cp.full((s, n), np.nan, t) if t == cp.float32 else cp.full((s, n), -1, t)
+            for t in (cp.float32, cp.int32, cp.float32, cp.float32)]
+    out, lp = cp.full((s,), -1, cp.int32), cp.full((s,), np.nan, cp.float32)
+    k.sample(cp.asarray(logits), cp.asarray(params), out, lp, *part)
+    return out.get().astype(np.int64), lp.get()
+
+
+def test_kernel_draw_is_the_cpu_draw_on_a_full_vocabulary(k):
+    v = 262144
+    logits = (RNG.standard_normal((8, v)) * 3).astype(np.float32)
+    temps = [0.0, 1.0, 1.0, 0.7, 1.5, 0.0, 1.0, 0.3]
+    seed = int(RNG.integers(1 << 62))
+    rows = [SampleRow(SamplingParams(temperature=t), row_key(seed, i), logprobs=0) for i, t in enumerate(temps)]
+    ids, lp = device_draw(k, logits, rows)
+    cpu = Sampler(np).choose(logits, rows)
+    assert ids.tolist() == cpu.tolist()
+    ref = logits - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    assert np.allclose(lp, ref[np.arange(8), ids], atol=2e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_kernel_draws_follow_the_softmax(k, temperature):
+    v, n = 16, 6000
+    logits = RNG.normal(0, 1.5, v).astype(np.float32)
+    seed = int(RNG.integers(1 << 62))
+    rows = [SampleRow(SamplingParams(temperature=temperature), row_key(seed, i)) for i in range(n)]
+    ids, _ = device_draw(k, np.tile(logits, (n, 1)), rows)
+    p = np.exp((logits / temperature - (logits / temperature).max()).astype(np.float64))
+    p /= p.sum()
+    big = p * n >= 5
+    observed = np.bincount(ids, minlength=v)
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(p[big] * n, p[~big].sum() * n)
+    keep = exp > 0
+    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()
+    assert chisquare(obs[keep], exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("params, support", [(SamplingParams(top_k=3), 3), (SamplingParams(top_p=0.5), None)])
+def test_gpu_sampler_truncated_rows_keep_their_support(params, support):
+    sampler = GpuSampler(type("M", (), {"kernels": Kernels(256, 4, "float16"),
+                                        "cfg": type("C", (), {"vocab_size": 64})()})())
+    logits = RNG.normal(0, 2, 64).astype(np.float32)
+    rows = [SampleRow(params, row_key(3, i)) for i in range(500)]
+    ids, _ = sampler.sample(cp.asarray(np.tile(logits, (len(rows), 1))), rows)
+    kept = Sampler(np).truncated_probs(logits[None, :], rows[:1], np.array([1.0], np.float32))[0]
+    assert set(ids.tolist()) <= set(np.flatnonzero(kept > 0).tolist())
+    if support is not None:
+        assert len(set(ids.tolist())) == support
+    cpu, _ = Sampler(np).sample(np.tile(logits, (len(rows), 1)), rows)
+    assert ids.tolist() == cpu.tolist()  # the eager device path draws what the CPU path draws
+
+
+def _run(eng, prompts, sampling, max_tokens=24, **extra):
+    for i, ids in enumerate(prompts):
+        eng.add(GenerateRequest(request_id=str(i), prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                sampling=sampling, **extra))
+    toks, lps, finals = {str(i): [] for i in range(len(prompts))}, {str(i): [] for i in range(len(prompts))}, {}
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.request_id] += o.token_ids
+            lps[o.request_id] += o.logprobs or []
+            if o.finish_reason:
+                finals[o.request_id] = o
+    keys = [str(i) for i in range(len(prompts))]
+    return [toks[r] for r in keys], [finals[r] for r in keys], [lps[r] for r in keys]
+
+
+def test_real_model_seeded_sampling_is_batch_and_speculation_invariant_on_gpu(real, monkeypatch):  # noqa: F811
+    from tests.gpu.test_speculation_gpu import _spec_engine
+    from tests.integration.test_speculation import EDIT
+
+    info, _, tok = real
+    prompts = [[info.bos_token_id] + tok.encode(t).ids for t in [EDIT, PROMPTS[1], PROMPTS[4], PROMPTS[2]]]
+    sampling = SamplingParams(temperature=1.0, seed=1234)
+    alone, _, _ = _run(_spec_engine(real, 0), prompts[:1], sampling)
+    batched, _, _ = _run(_spec_engine(real, 0), prompts[1:] + prompts[:1], sampling)
+    eager = []  # the eager path, counted: the steps' graphs (and eager forwards) drew every token
+    base = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, *a, **kw: eager.append(1) or base(self, *a, **kw))
+    eng = _spec_engine(real, 4)
+    spec, finals, _ = _run(eng, prompts, sampling)
+    assert alone[0] == batched[-1] == spec[0]
+    assert finals[0].drafted_tokens > 0 and eng.model._verify is not None
+    assert not eager
+    # the chosen token's logprob comes from the same pass: the same tokens, and log-probabilities
+    with_lp, _, lps = _run(_spec_engine(real, 4), prompts[:1], sampling, logprobs=0)
+    assert with_lp[0] == alone[0] and [e.token_id for e in lps[0]] == alone[0]
+    assert all(-30 < e.logprob <= 1e-4 for e in lps[0])
+    assert not eager

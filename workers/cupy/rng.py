@@ -1,0 +1,50 @@
+"""Counter-based random numbers for sampling: every draw is a pure function of (key, vocabulary id), where
+the key comes from (the request's seed, the generated token's index).
+
+No generator state moves between steps, so a token's draw does not depend on which other requests share
+its batch, on preemption, or on whether speculation verified it as a draft; the CUDA kernel
+(gpu/sampling.cu, `gumbel_noise`) computes the same function, bit for bit in the integer part.
+
+- `row_key(seed, index)`: two 32-bit words from SplitMix64 of the seed and the index.
+- per vocabulary id j: h = mix(mix(j ^ k0) ^ k1), `mix` the "lowbias32" integer hash (a bijection on 32
+  bits, so ids never collide within a row); v = h / 2^32 + 2^-33 rounded to float32; E = -log1p(-v) is
+  an exponential variable with full relative precision near 0 (where the winners come from); the Gumbel
+  noise is -log(E). Its largest possible value is -log(-log1p(-2^-33)) < NOISE_MAX.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+M64 = (1 << 64) - 1
+NOISE_MAX = 23.0  # bound on the noise: v >= 2^-33 gives -log(E) <= 22.87
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, index: int) -> tuple[int, int]:
+    """The key of the draw for a request's `index`-th generated token (seed: any int, taken mod 2^64)."""
+    z = splitmix64((splitmix64(seed & M64) + index) & M64)
+    return z & 0xFFFFFFFF, z >> 32
+
+
+def mix32(xp, x):
+    """lowbias32 (C. Wellons' hash prospector): uint32 in, uint32 out, wrapping multiplies."""
+    x = x ^ (x >> 16)
+    x = x * xp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * xp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel(xp, ids, key: tuple[int, int]):
+    """float32 Gumbel noise for the uint32 vocabulary `ids` under `key`."""
+    k0, k1 = xp.uint32(key[0]), xp.uint32(key[1])
+    h = mix32(xp, mix32(xp, ids ^ k0) ^ k1)
+    v = h.astype(xp.float32) * xp.float32(2.0**-32) + xp.float32(2.0**-33)
+    with np.errstate(divide="ignore"):
+        return -xp.log(-xp.log1p(-v))
