@@ -5,16 +5,21 @@ from workers.protocol import TokenLogprob, Usage
 
 
 def usage_body(u: Usage) -> dict:
-    return {
+    """OpenAI's usage object; prediction tokens keep OpenAI's meaning (the given prediction's tokens found /
+    not found in the completion), and Pulse's own speculation counters go in `pulse_speculation`."""
+    body = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "completion_tokens_details": {
-            "accepted_prediction_tokens": u.accepted_tokens,
-            "rejected_prediction_tokens": max(0, u.drafted_tokens - u.accepted_tokens),
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
         },
     }
+    if u.drafted_tokens:
+        body["pulse_speculation"] = {"drafted_tokens": u.drafted_tokens, "accepted_tokens": u.accepted_tokens}
+    return body
 
 
 class Shaper:

@@ -40,8 +40,10 @@ EDIT = ("<start_of_turn>user\nRename the parameter `width` to `w` everywhere in 
 
 
 def always(k: int) -> DeviceProfile:
-    """A profile that asks for K = k at any context and concurrency."""
-    return DeviceProfile(name=f"k{k}", max_draft_tokens=k, speculation=[SpeculationRule(max_context=10**9, k=k)])
+    """A profile that asks for K = k at any context and concurrency (drafts cost nothing, so the
+    acceptance-aware depth keeps the cap: these tests pin K)."""
+    return DeviceProfile(name=f"k{k}", max_draft_tokens=k, speculation=[SpeculationRule(max_context=10**9, k=k)],
+                         draft_token_cost=0.0)
 
 
 def spec_engine(k: int, **kw):
@@ -170,6 +172,17 @@ def test_sampling_keeps_the_distribution(prompts):
         assert chi2_contingency(table).pvalue > 0.001, counts
 
 
+def test_seeded_sampling_is_batch_and_speculation_invariant(prompts):
+    """A seeded request at temperature 1 gives the same tokens alone, batched with another request, and
+    with speculation verifying drafts: every draw is keyed by (seed, token index)."""
+    sampling = SamplingParams(temperature=1.0, seed=42)
+    alone, _ = generate(spec_engine(4), prompts[:1], 12, sampling=sampling, max_draft_tokens=0)
+    batched, _ = generate(spec_engine(4), prompts[1:2] + prompts[:1], 12, sampling=sampling, max_draft_tokens=0)
+    spec, finals = generate(spec_engine(4), prompts[:2], 12, sampling=sampling)
+    assert alone[0] == batched[1] == spec[0]
+    assert finals[0].drafted_tokens > 0
+
+
 async def test_backend_stop_strings_usage_and_stats(prompts):
     """Through EngineBackend (the cpu profile's policy): a stop string inside accepted drafts cuts the text
     where plain decoding cuts it; usage carries drafted/accepted; stats carry the per-position counters."""
@@ -195,6 +208,16 @@ async def test_backend_stop_strings_usage_and_stats(prompts):
         assert plain_last.finish_reason == spec_last.finish_reason == "stop"
         assert plain_last.usage.drafted_tokens == 0
         assert spec_last.usage.drafted_tokens >= spec_last.usage.accepted_tokens > 0
+        # prompt-lookup drafts are Pulse's own counters, never prediction tokens
+        assert spec_last.usage.accepted_prediction_tokens == spec_last.usage.rejected_prediction_tokens == 0
+        # a prediction the completion reproduces exactly: every one of its tokens accepted (OpenAI's meaning)
+        ids = [t for c in [c async for c in backend.generate(GenerateRequest(
+            request_id="ids", prompt_ids=prompts[0], max_tokens=24, sampling=GREEDY, ignore_eos=True))]
+            for t in c.token_ids]
+        _, pred_last = await text("pred", prediction_ids=ids)
+        assert (pred_last.usage.accepted_prediction_tokens, pred_last.usage.rejected_prediction_tokens) == (24, 0)
+        _, half_last = await text("half", prediction_ids=ids[:12] + [0] * 12)
+        assert half_last.usage.accepted_prediction_tokens == 12
         stats = backend.stats()
         assert stats.speculation_k == 4 and stats.steps_by_k[4] > 0 and stats.steps_by_k[0] > 0
         assert sum(stats.accepted_by_position) > 0 and len(stats.drafted_by_position) == 4

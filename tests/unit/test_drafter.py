@@ -61,3 +61,13 @@ def test_the_buffer_grows_with_the_sequence():
     seq = list(range(300)) + list(range(10))
     assert d.propose(seq[:200], 2) == []
     assert d.propose(seq, 3) == [10, 11, 12]
+
+
+def test_prediction_usage_counts_the_given_predictions_tokens_found_in_the_completion():
+    from workers.cupy.drafter import prediction_usage
+
+    pred = list(range(100, 164))
+    assert prediction_usage(pred, pred) == (64, 0)  # a perfect 64-token prediction: all 64 accepted
+    assert prediction_usage(pred, pred[:10] + [1, 2, 3] + pred[20:]) == (54, 10)  # 10 replaced
+    assert prediction_usage(pred, [1, 2, 3]) == (0, 64)
+    assert prediction_usage([], [1, 2, 3]) == (0, 0)  # no prediction: nothing to report

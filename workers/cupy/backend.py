@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from workers.cupy.device import array_module, device_name
+from workers.cupy.drafter import prediction_usage
 from workers.cupy.engine import Engine, StepOutput, create_engine
 from workers.cupy.weights import load_weights
 from workers.protocol import Backend, BackendError, BackendStats, BlockSink, Chunk, GenerateRequest, Usage
@@ -254,6 +255,7 @@ class _ChunkStream:
         self.stop = StopMatcher(request.stop)
         self.started = False
         self.pending_ids: list[int] = []
+        self.generated: list[int] = []  # every token so far, for the prediction's usage
         self.pending_lp: list = []
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -283,6 +285,7 @@ class _ChunkStream:
 
     def _take(self, out: StepOutput) -> str:
         self.pending_ids += out.token_ids
+        self.generated += out.token_ids
         if out.logprobs:
             self.pending_lp += out.logprobs
         return self.stop.push(self.detok.push(out.token_ids)) if out.token_ids else ""
@@ -304,9 +307,11 @@ class _ChunkStream:
     def _usage(self, out: StepOutput | None) -> Usage:
         if out is None:
             return Usage(prompt_tokens=len(self.request.prompt_ids))
+        accepted, rejected = prediction_usage(self.request.prediction_ids or [], self.generated)
         return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                      cached_tokens=out.cached_tokens, drafted_tokens=out.drafted_tokens,
-                     accepted_tokens=out.accepted_tokens)
+                     accepted_tokens=out.accepted_tokens, accepted_prediction_tokens=accepted,
+                     rejected_prediction_tokens=rejected)
 
 
 def _constraints(tokenizer, info, xp):

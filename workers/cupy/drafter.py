@@ -13,6 +13,8 @@ back is the wrong copy); before any output, the draft is the prediction's first 
 """
 from __future__ import annotations
 
+from difflib import SequenceMatcher
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -87,3 +89,13 @@ class Drafter:
                 pos = int(starts[-1])
                 return ctx[pos : pos + k].tolist()
         return []
+
+
+def prediction_usage(prediction: list[int], completion: list[int]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens in OpenAI's sense: the prediction's tokens that appear, in
+    order, in the completion (the matching blocks of a diff), and the rest of the prediction. A prediction
+    the completion reproduces exactly is all accepted, however many of its tokens were drafted."""
+    if not prediction:
+        return 0, 0
+    matched = sum(b.size for b in SequenceMatcher(None, prediction, completion, autojunk=False).get_matching_blocks())
+    return matched, len(prediction) - matched

@@ -53,8 +53,11 @@ class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a KV cache
-    drafted_tokens: int = 0  # speculation: tokens proposed
+    drafted_tokens: int = 0  # speculation: tokens proposed (prompt lookup and prediction drafts)
     accepted_tokens: int = 0  # speculation: proposed tokens that were kept
+    # OpenAI Predicted Outputs: tokens of the given prediction that did / did not appear in the completion
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Chunk(msgspec.Struct, omit_defaults=True):
