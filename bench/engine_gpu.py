@@ -76,17 +76,19 @@ def bench_decode(model, kv, graphs, n_seqs: int, prompt_len: int, steps: int, re
     return out
 
 
-def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int) -> list[float]:
-    """Decode tokens/s through the engine: requests are prefilled first, then the decode phase is timed."""
+def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int, sampling=None) -> list[float]:
+    """Decode tokens/s through the engine: requests are prefilled first, then the decode phase is timed.
+    `sampling`: the requests' SamplingParams (default greedy)."""
     from workers.protocol import GenerateRequest, SamplingParams
 
+    sampling = sampling or SamplingParams(temperature=0.0)
     rng = np.random.default_rng(1)
     out = []
     for r in range(repeats + 1):
         for i in range(n_seqs):
             ids = rng.integers(1000, 200_000, prompt_len).tolist()
             engine.add(GenerateRequest(request_id=f"{r}-{i}", prompt_ids=ids, max_tokens=steps,
-                                       sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+                                       sampling=sampling, ignore_eos=True))
         generated = 0
         while generated < n_seqs:  # prefill steps (each sequence's first token comes from its prefill)
             generated += sum(len(o.token_ids) for o in engine.step())

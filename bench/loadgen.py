@@ -53,6 +53,7 @@ class LoadSpec:
     allow_remote: bool = False
     body_extra: dict | None = None  # fields added to (or replacing) the request body, e.g. sampling settings
     force_close: bool = False  # a new connection per request (llama-server drops kept-alive ones under load)
+    prompts: list | None = None  # when set, request i sends prompts[i % len] in place of `prompt` (no shared prefix)
 
 
 @dataclass
@@ -100,6 +101,16 @@ def request_body(spec: LoadSpec) -> tuple[str, dict]:
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     return path, body | (spec.body_extra or {})
+
+
+def nth_body(spec: LoadSpec, body: dict, i: int) -> dict:
+    """The body of the run's i-th request: `body`, with the i-th of spec.prompts when there are several."""
+    if not spec.prompts:
+        return body
+    prompt = spec.prompts[i % len(spec.prompts)]
+    if spec.api == "chat":
+        return body | {"messages": [{"role": "user", "content": prompt}]}
+    return body | {"prompt": prompt}
 
 
 def event_content(event: dict) -> tuple[str, int | None]:
@@ -201,7 +212,7 @@ async def _closed_loop(spec, session, url, body, start, results) -> None:
         nonlocal issued
         while _budget(spec, start, issued):
             issued += 1
-            results.append(await one_request(session, url, body, spec.stream))
+            results.append(await one_request(session, url, nth_body(spec, body, issued - 1), spec.stream))
 
     await asyncio.gather(*(client() for _ in range(spec.clients)))
 
@@ -210,9 +221,9 @@ async def _open_loop(spec, session, url, body, start, results) -> None:
     gate = asyncio.Semaphore(spec.clients)
     tasks = []
 
-    async def fire() -> None:
+    async def fire(i: int) -> None:
         async with gate:
-            results.append(await one_request(session, url, body, spec.stream))
+            results.append(await one_request(session, url, nth_body(spec, body, i), spec.stream))
 
     issued = 0
     while _budget(spec, start, issued):
@@ -220,7 +231,7 @@ async def _open_loop(spec, session, url, body, start, results) -> None:
         delay = start + issued / spec.rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(fire()))
+        tasks.append(asyncio.create_task(fire(issued)))
         issued += 1
     await asyncio.gather(*tasks)
 

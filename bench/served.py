@@ -1,0 +1,246 @@
+"""The served path as users see it: `pulse serve` and llama-server direct, on the same machine and model,
+streaming, at the settings users send.
+
+    python -m bench.served --model MODEL.gguf --llama-server BIN --clients 1 8 32 64 --tokens 128 \
+        --workloads story code json --sampling greedy t1 --repeats 3 --warmup 1
+
+Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile's speculation, each sequence's
+depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation),
+`llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
+Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
+instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
+Sampling: `greedy` (temperature 0) and `t1` (temperature 1, no top_k / top_p: OpenAI's default).
+Each run: C clients, each sending --per-client requests in a closed loop, `ignore_eos` so every request
+generates --tokens tokens. The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts
+= 72 runs a repeat; on the H200 one warm-up and two repeats of it at one request per client did not fit in 9
+minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
+call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
+p99. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
+table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import loops, protocol
+from bench.loadgen import LoadSpec, run_load
+from bench.machine import REPO, machine_info
+from bench.procs import Proc, free_port, owned_processes, python_module
+from bench.speculation import EDITS, SOURCES, edit_prompt
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
+TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors"]
+PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
+SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
+            "a retired astronaut", "a talking cat", "a city under the sea", "a clockmaker's apprentice",
+            "a haunted library", "a desert caravan", "a chess prodigy", "a forgotten island", "a jazz drummer")
+PLACES = ("in winter", "at dawn", "during a storm", "on the last day of summer", "in a distant future")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "species": {"type": "string"},
+                                           "age": {"type": "integer"}, "habitat": {"type": "string"},
+                                           "traits": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "species", "age", "habitat", "traits"]}
+
+
+def prompts(workload: str, n: int) -> tuple[str, list[str]]:
+    """(api, n distinct prompts): distinct so no request rides another's cached prefix."""
+    if workload == "story":
+        return "completions", [f"Story {i}. Write a long story about {SUBJECTS[i % len(SUBJECTS)]} "
+                               f"{PLACES[i // len(SUBJECTS) % len(PLACES)]}.\n\n" for i in range(n)]
+    if workload == "code":
+        names = list(SOURCES)
+        return "completions", [edit_prompt(names[i % len(names)], SOURCES[names[i % len(names)]],
+                                           EDITS[names[i % len(names)]], f"Ticket {i}. ") for i in range(n)]
+    if workload == "json":
+        return "chat", [f"Request {i}: describe a fictional animal living {PLACES[i % len(PLACES)]} near "
+                        f"{SUBJECTS[i % len(SUBJECTS)]}, as JSON." for i in range(n)]
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+def body_extra(target: str, workload: str, sampling: str) -> dict:
+    extra = dict(SAMPLING[sampling], ignore_eos=True)
+    if target == "pulse-k0":
+        extra["max_draft_tokens"] = 0
+    if workload == "json":
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}}
+    return extra
+
+
+def config_name(target: str, workload: str, sampling: str, clients: int) -> str:
+    return f"{target}/{workload}/{sampling}/c{clients}"
+
+
+def make_measure(args, base: str, model: str, target: str, workload: str, sampling: str, clients: int, salt,
+                 partial: Path):
+    """One configuration's run; each result is also appended to `partial` (JSON lines) and printed as it
+    lands, so a run stopped early (a device call's time limit) keeps what it measured."""
+    n = clients * args.per_client
+    name = config_name(target, workload, sampling, clients)
+
+    async def measure() -> dict:
+        offset = next(salt) * n  # each run its own prompts: a repeat never hits an earlier run's cache
+        api, texts = prompts(workload, offset + n)
+        spec = LoadSpec(url=base, api=api, model=model, prompts=texts[offset:], max_tokens=args.tokens,
+                        clients=clients, requests=n, duration=args.duration, timeout=args.timeout,
+                        body_extra=body_extra(target, workload, sampling))
+        out = await run_load(spec)
+        m = out["metrics"]
+        with partial.open("a") as f:
+            f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
+        print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}",
+              flush=True)
+        return out
+
+    return measure
+
+
+def counter():
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def pulse_config(args, port: int, log_dir: Path) -> Path:
+    cfg = {"server": {"port": port, "host": "127.0.0.1"},
+           "workers": {"backend": "cupy", "count": 1,
+                       "engine": {"device": args.device, "max_num_seqs": max(args.clients)}},
+           "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
+    if args.profile:
+        cfg["workers"]["device_profile"] = args.profile
+    if args.model:
+        cfg["model"] = {"path": args.model}
+    path = log_dir / "pulse.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def llama_argv(args, port: int) -> list[str]:
+    """llama-server with the device profile's flags, every layer on the GPU and a slot per client."""
+    from policy.profiles import builtin_profiles
+
+    flags = builtin_profiles()[args.profile or "h200"].llama_server_args
+    slots = max(args.clients)
+    return [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-ngl", "99",
+            "-np", str(slots), "-c", str(slots * args.slot_tokens), *flags]
+
+
+def first_model(base: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
+    """{target: (base URL, model id)}; servers started and healthy."""
+    bases = {}
+    if any(t.startswith("pulse") for t in args.targets):
+        port = free_port()
+        proc = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir))),
+                    log_dir, env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
+        procs.append(proc)
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
+        base = f"http://127.0.0.1:{port}"
+        for t in args.targets:
+            if t.startswith("pulse"):
+                bases[t] = (base, first_model(base))
+    if "llama" in args.targets:
+        port = free_port()
+        proc = Proc("llama-server", llama_argv(args, port), log_dir)
+        procs.append(proc)
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
+        bases["llama"] = (f"http://127.0.0.1:{port}", "llama")
+    return bases
+
+
+def pivot(summary: dict, args) -> str:
+    """Markdown: one row per workload x sampling x clients, tok/s and TTFT p50 / p99 per target."""
+    head = ["workload", "sampling", "clients"] + [f"{t} {m}" for t in args.targets
+                                                 for m in ("tok/s", "TTFT p50 ms", "TTFT p99 ms")]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for w in args.workloads:
+        for s in args.sampling:
+            for c in args.clients:
+                cells = [w, s, str(c)]
+                for t in args.targets:
+                    m = summary.get(config_name(t, w, s, c), {})
+                    cells += [_cell(m.get("tok_s"), 0), _cell(m.get("ttft_p50_ms"), 1), _cell(m.get("ttft_p99_ms"), 1)]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(s, digits: int) -> str:
+    if not s:
+        return "–"
+    return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}–{s['max']:,.{digits}f})"
+
+
+def ratios(summary: dict, args, num: str, den: str) -> list[str]:
+    """Per workload x sampling x clients, num's median tok/s over den's."""
+    out = []
+    for w in args.workloads:
+        for s in args.sampling:
+            for c in args.clients:
+                a = summary.get(config_name(num, w, s, c), {}).get("tok_s")
+                b = summary.get(config_name(den, w, s, c), {}).get("tok_s")
+                if a and b and b["median"] > 0:
+                    out.append(f"{num}/{den} {w} {s} c{c}: {a['median'] / b['median']:.2f}x")
+    return out
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.served", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
+    ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
+    ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
+                    choices=["pulse", "pulse-k0", "llama"])
+    ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
+    ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--tokens", type=int, default=128, help="max_tokens of every request (ignore_eos)")
+    ap.add_argument("--per-client", type=int, default=2, help="requests per client per run")
+    ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per request")
+    ap.add_argument("--device", default="auto", help="the Pulse engine's device")
+    ap.add_argument("--profile", help="device profile (default: detected)")
+    ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
+    protocol.add_arguments(ap, RESULTS)
+    args = ap.parse_args(argv)
+    if "llama" in args.targets and not (args.llama_server and args.model):
+        ap.error("the llama target needs --llama-server and --model")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    machine, started = machine_info(), time.time()
+    log_dir = args.out / f"served-logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with owned_processes() as procs:
+        bases = start(args, log_dir, procs)
+        salt, partial = counter(), log_dir / "records.jsonl"
+        measures = {config_name(t, w, s, c): make_measure(args, *bases[t], t, w, s, c, salt, partial)
+                    for w in args.workloads for s in args.sampling for c in args.clients for t in args.targets}
+        records = loops.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet), args.loop)
+    summary = protocol.summarize(records)
+    verdict = [pivot(summary, args), ""]
+    if "pulse" in args.targets:
+        for other in ("pulse-k0", "llama"):
+            if other in args.targets:
+                verdict += ratios(summary, args, "pulse", other)
+    protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,
+                     PLOT_METRICS, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""bench/served.py's pure parts: distinct prompts per request, the request bodies per target, the pivot."""
+from __future__ import annotations
+
+import pytest
+
+from bench.served import body_extra, config_name, pivot, prompts
+
+
+@pytest.mark.parametrize("workload, api", [("story", "completions"), ("code", "completions"), ("json", "chat")])
+def test_prompts_are_distinct_from_their_first_words(workload, api):
+    got_api, texts = prompts(workload, 40)
+    assert got_api == api and len(texts) == 40
+    assert len({t.split(".")[0] if workload != "code" else t[:40] for t in texts}) == 40  # no shared prefix
+
+
+def test_bodies_follow_the_target_workload_and_sampling():
+    assert body_extra("pulse", "story", "t1") == {"temperature": 1.0, "ignore_eos": True}  # no top_k / top_p
+    assert body_extra("pulse-k0", "story", "greedy")["max_draft_tokens"] == 0
+    assert "max_draft_tokens" not in body_extra("llama", "code", "greedy")
+    assert body_extra("llama", "json", "t1")["response_format"]["type"] == "json_schema"
+
+
+def test_pivot_has_a_row_per_cell_and_a_column_group_per_target():
+    class A:
+        targets, workloads, sampling, clients = ["pulse", "llama"], ["story"], ["greedy", "t1"], [1, 8]
+
+    summary = {config_name("pulse", "story", "t1", 8): {"tok_s": {"median": 900.0, "min": 800.0, "max": 1000.0}}}
+    table = pivot(summary, A).splitlines()
+    assert len(table) == 2 + 4
+    assert "900 (800–1,000)" in next(line for line in table if "| t1 | 8 |" in line)
