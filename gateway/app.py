@@ -8,8 +8,9 @@ import time
 from aiohttp import web
 
 from gateway.anthropic_api import MessagesAPI, anthropic_error_response
-from gateway.completions import CompletionService
+from gateway.completions import CompletionService, credentials
 from gateway.errors import APIError, error_response
+from gateway.open_guard import open_guard
 from gateway.pool import WorkerPool
 from gateway.response_store import open_response_store
 from gateway.responses_api import ResponsesAPI
@@ -31,7 +32,9 @@ class Gateway:
 
     def app(self) -> web.Application:
         cfg = self.service.cfg.server
-        app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[self._errors])
+        # the guard runs inside _errors, which renders its refusals in each API's error shape
+        app = web.Application(client_max_size=cfg.max_body_bytes,
+                              middlewares=[self._errors, open_guard(self.service.auth, cfg.host)])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         # the Responses and Messages APIs: adapters onto the same chat core (gateway/completions.py)
@@ -88,10 +91,12 @@ class Gateway:
         return {"id": model.name, "object": "model", "created": self.created, "owned_by": "pulse"}
 
     async def models(self, request: web.Request) -> web.Response:
+        await self.service.auth.authenticate(credentials(request.headers))  # a key when keys exist, as OpenAI's
         cards = [self._model_card(m.name) for m in self.service.models.models]
         return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
+        await self.service.auth.authenticate(credentials(request.headers))
         return web.json_response(self._model_card(request.match_info["model"]))  # 404 model_not_found if unknown
 
     async def health(self, request: web.Request) -> web.Response:

@@ -56,10 +56,14 @@ class KeyAuth:
         return f"no API keys configured and {self.host} is not loopback: every request is refused (401) " \
                "until `pulse keys create` makes one"
 
+    async def is_open(self) -> bool:
+        """Whether requests pass without a key now: no active key, open_when_empty, a loopback bind."""
+        return self.open_when_empty and is_loopback(self.host) and not await self._keyed()
+
     async def authenticate(self, authorization: str | None, *, admin: bool = False) -> ApiKey | None:
         """The caller's key, or None when the gateway is open (no keys, loopback). Raises APIError."""
         token = _bearer(authorization)
-        if not await self._keyed() and self.open_when_empty and is_loopback(self.host):
+        if await self.is_open():
             # The single-box default: open (admin endpoints too), reachable from this machine only. Any
             # bearer token passes, since every OpenAI client sends one (`api_key="unused"`) and most refuse
             # to start without it; once a key exists, tokens are checked.

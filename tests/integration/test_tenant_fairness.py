@@ -8,6 +8,7 @@ requests, not all of them.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -67,3 +68,20 @@ async def test_priority_is_the_keys_and_a_flood_does_not_starve_another_key(keye
     assert order.index("high") <= 2, order
     # the other key waits behind about one of the flood's requests (its turn), not behind the whole flood
     assert order.index("other") <= 4, order
+
+
+async def test_a_keyed_gateway_needs_a_key_for_models_and_serves_any_name(keyed_server):
+    """/v1/models needs a key once keys exist (as OpenAI's does); the open gateway's Host, Origin and
+    Content-Type checks step aside: a key is what a web page cannot send."""
+    srv, keys = keyed_server
+    async with aiohttp.ClientSession() as http:
+        for path in ("/v1/models", "/v1/models/anything"):
+            async with http.get(srv.base + path) as r:
+                assert r.status == 401, path
+        auth = {"Authorization": f"Bearer {keys['other']}"}
+        async with http.get(srv.base + "/v1/models", headers=auth) as r:
+            model = (await r.json())["data"][0]["id"]
+        body = {"model": model, "prompt": "hi", "max_tokens": 2}
+        headers = {**auth, "Host": "pulse.example.internal", "Origin": "https://app.example", "Content-Type": "text/plain"}
+        async with http.post(srv.base + "/v1/completions", data=json.dumps(body), headers=headers) as r:
+            assert r.status == 200, await r.text()
