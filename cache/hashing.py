@@ -4,13 +4,19 @@ A block is `block_size` consecutive token ids. Its hash covers its parent's hash
 one hash names the whole prefix up to and including that block. Only full blocks are hashed.
 
 The hash is XXH3-64 of the block's token ids (4 bytes each, little-endian) seeded with the parent's hash,
-shifted to 63 bits. It is not cryptographic, and need not be: the engine compares a cached block's tokens
-before it reuses the block (workers/cupy/kv_cache.py), so a collision can only misroute a request, never
-serve wrong KV. Speed is what matters here: the gateway hashes a prompt's new blocks inside every routing
-decision, and XXH3 takes one C call per block (~0.2 us) where blake2b through struct took ~1 us.
+shifted to 63 bits. It is not cryptographic (its seed is public), and need not be: it names blocks for
+routing, where a collision can only misroute a request. Speed is what matters there: the gateway hashes a
+prompt's new blocks inside every routing decision, and XXH3 takes one C call per block (~0.2 us) where
+blake2b through struct took ~1 us.
+
+Reusing KV is different: a block's K/V depend on every token before it, so the engine reuses a cached block
+only when its `chain_key` matches too: BLAKE2b-128 over the parent's key and the block's tokens, so equal
+keys mean the whole prefix is equal (a forged or chance XXH3 collision cannot attach another prefix's KV).
+It costs one more C call per block, on the engine only (a few us a block, against the block's prefill).
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
@@ -19,6 +25,7 @@ from collections.abc import Sequence
 from xxhash import xxh3_64_intdigest
 
 ROOT_HASH = 0
+ROOT_KEY = bytes(16)
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
@@ -59,3 +66,9 @@ def chain_hashes_packed(raw: bytes, block_size: int, parent: int = ROOT_HASH) ->
         parent = _digest(parent, raw[start : start + step])
         hashes.append(parent)
     return hashes
+
+
+def chain_key(parent_key: bytes, packed_block: bytes) -> bytes:
+    """The collision-resistant identity of a block and its whole prefix: BLAKE2b-128 of the parent's key
+    and the block's ids as pack_tokens packs them (ROOT_KEY is the first block's parent)."""
+    return hashlib.blake2b(parent_key + packed_block, digest_size=16).digest()

@@ -100,3 +100,34 @@ def test_allocation_is_refused_when_blocks_run_out():
     s = Sequence("s", list(range(12)), max_tokens=1)
     assert not blocks.can_allocate(s, 12)
     assert blocks.can_allocate(s, 8)
+
+
+def test_a_hash_collision_cannot_attach_another_prefixs_blocks(monkeypatch):
+    """Reuse checks the whole prefix, not a block's own tokens: with a block hash that collides whenever
+    two blocks hold the same tokens (here: one that ignores the parent, standing in for a forged or chance
+    XXH3 collision), a prompt that starts with the tokens of another's second block must not get that block,
+    whose K/V were computed after the other prompt's first block."""
+    import workers.cupy.kv_cache as kv
+
+    monkeypatch.setattr(kv, "block_hash", lambda parent, tokens: hash(tuple(tokens)) & (2**63 - 1))
+    blocks = BlockManager(16, BS)
+    x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    run_prefill(blocks, Sequence("a", x + y + z + [0], max_tokens=4))
+    assert blocks.match_prefix(Sequence("b", y + z + [0], max_tokens=4)) == 0  # y, z here follow nothing
+    same = Sequence("c", x + y + [0], max_tokens=4)
+    assert blocks.match_prefix(same) == 8  # the true prefix still hits
+
+
+def test_a_duplicate_block_still_passes_its_key_to_the_next():
+    """Two requests computing one prefix in the same step: the second's copy is not registered (the first
+    stays), yet the blocks it commits after it still carry the right whole-prefix key, so they hit later."""
+    blocks = BlockManager(16, BS)
+    a, b = Sequence("a", list(range(9)), max_tokens=4), Sequence("b", list(range(4)) + [50, 51, 52, 53, 0], max_tokens=4)
+    for s in (a, b):
+        blocks.match_prefix(s)
+        blocks.allocate(s, s.num_remaining)
+    for s in (a, b):
+        s.num_computed += s.num_remaining
+        blocks.commit_full_blocks(s)
+    later = Sequence("c", list(range(4)) + [50, 51, 52, 53, 7], max_tokens=4)
+    assert blocks.match_prefix(later) == 8

@@ -3,7 +3,8 @@
 K/V live in fixed-size blocks; a sequence's block table lists its blocks in order. A block that is full
 is named by its chain hash (cache.hashing: parent hash + its tokens), the same hash the router computes,
 so a new request whose prompt starts with cached blocks attaches them (reference counted) instead of
-recomputing them. Blocks nobody references but that still hold a hashed prefix stay cached and are
+recomputing them. A block is reused only when its chain key (cache.hashing.chain_key: BLAKE2b-128 over the
+parent's key and its tokens) matches as well, so it is the same whole prefix, not only the same hash. Blocks nobody references but that still hold a hashed prefix stay cached and are
 evicted least-recently-used first, only when a fresh block is needed. Additions and evictions are
 reported to the block sink as BlockEvents (the prefix index), once per engine step.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from cache.hashing import ROOT_HASH, block_hash
+from cache.hashing import ROOT_HASH, ROOT_KEY, block_hash, chain_key, pack_tokens
 from workers.cupy.sequence import Sequence
 from workers.protocol import BlockEvent, BlockSink
 
@@ -118,7 +119,7 @@ class _Block:
     id: int
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and registered in the prefix cache
-    tokens: tuple[int, ...] | None = None  # its tokens, to rule out a hash collision on reuse
+    key: bytes | None = None  # chain_key of its whole prefix: rules out a hash collision on reuse
 
 
 class _Pool:
@@ -137,9 +138,9 @@ class _Pool:
     def num_free(self) -> int:
         return len(self.free) + len(self.cold) + len(self.cached_free)
 
-    def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, h: int, key: bytes) -> int | None:
         bid = self.by_hash.get(h)
-        return bid if bid is not None and self.blocks[bid].tokens == tokens else None
+        return bid if bid is not None and self.blocks[bid].key == key else None
 
     def ref(self, bid: int) -> None:
         block = self.blocks[bid]
@@ -148,12 +149,12 @@ class _Pool:
             self.cold.pop(bid, None)
         block.ref_count += 1
 
-    def register(self, bid: int, h: int, tokens: tuple[int, ...]) -> bool:
+    def register(self, bid: int, h: int, key: bytes) -> bool:
         """Name a full block by its hash; False when the hash is already cached (the first copy stays)."""
         block = self.blocks[bid]
         if h in self.by_hash or block.hash is not None:
             return False
-        block.hash, block.tokens = h, tokens
+        block.hash, block.key = h, key
         self.by_hash[h] = bid
         return True
 
@@ -176,7 +177,7 @@ class _Pool:
             block = self.blocks[bid]
             del self.by_hash[block.hash]
             self.evicted.append(block.hash)
-            block.hash, block.tokens = None, None
+            block.hash, block.key = None, None
         self.blocks[bid].ref_count = 1
         return bid
 
@@ -231,13 +232,14 @@ class BlockManager:
         At least one token is always left to compute: the next token needs its logits.
         """
         assert not seq.block_table, "prefix matching is for a sequence without blocks"
-        bs, parent, chain = self.block_size, ROOT_HASH, []
+        bs, parent, key, chain = self.block_size, ROOT_HASH, ROOT_KEY, []
         for i in range((len(seq.token_ids) - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
-            if self.glob.lookup(h, tokens) is None:
+            key = chain_key(key, pack_tokens(tokens))
+            if self.glob.lookup(h, key) is None:
                 break
-            chain.append((h, tokens))
+            chain.append((h, key))
             parent = h
         n = self._local_hit(chain) if self.local is not None else len(chain)
         for h, tokens in chain[:n]:
@@ -261,8 +263,8 @@ class BlockManager:
         """The most blocks of `chain` (all in the global pool) whose local window is cached too."""
         run = 0  # cached local blocks ending at block i
         best = 0
-        for i, (h, tokens) in enumerate(chain):
-            run = run + 1 if self.local.lookup(h, tokens) is not None else 0
+        for i, (h, key) in enumerate(chain):
+            run = run + 1 if self.local.lookup(h, key) is not None else 0
             if run >= i + 1 - self.first_needed((i + 1) * self.block_size):
                 best = i + 1
         return best
@@ -288,14 +290,19 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
+            # the parent's key sits on the sequence's own global block for i - 1 (set below even when that
+            # block was a duplicate and not registered), so no per-sequence list of keys is kept
+            parent_key = self.glob.blocks[seq.block_table[i - 1]].key if i else ROOT_KEY
+            key = chain_key(parent_key, pack_tokens(tokens))
             seq.block_hashes.append(h)
+            self.glob.blocks[seq.block_table[i]].key = key
             # the same content computed twice (two requests in one step): the first copy is the cached one
-            if self.glob.register(seq.block_table[i], h, tokens):
+            if self.glob.register(seq.block_table[i], h, key):
                 self._added.append(h)
             if self.local is not None and seq.local_table[i] >= 0:
-                self.local.register(seq.local_table[i], h, tokens)
+                self.local.register(seq.local_table[i], h, key)
         if self.local is not None:
             self._slide(seq)
 
