@@ -6,11 +6,13 @@ chat-side 400 names a chat field (`messages[3]`, `max_completion_tokens`); `rena
 """
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
 import msgspec
 
+from gateway.completions import OFF_LOOP_BYTES
 from gateway.errors import APIError, bad_param
 from gateway.tool_parser import ToolCallStream, ToolDelta
 from gateway.tools import ChatPlan
@@ -69,6 +71,14 @@ class Splitter:
 
     def finish(self) -> ToolDelta:
         return self.calls_parser.finish() if self.calls_parser is not None else ToolDelta()
+
+
+async def chat_off_loop(service, chat, size: int):
+    """`service.chat_request(chat)`, on a thread when the prompt's text is long (`size` bytes): as the chat
+    path does with a long body, so templating and tokenizing never hold the event loop for long."""
+    if size < OFF_LOOP_BYTES:
+        return service.chat_request(chat)
+    return await asyncio.to_thread(service.chat_request, chat)
 
 
 def renamed(error: APIError, names: list[tuple[str, str, bool]]) -> APIError:

@@ -14,11 +14,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway.adapters import Splitter, decode_strict, renamed
+from gateway.adapters import Splitter, chat_off_loop, decode_strict, renamed
 from gateway.anthropic_events import MessagesEvents
 from gateway.completions import Call, CompletionService, credentials
 from gateway.errors import APIError, bad_param
 from gateway.openai_types import ChatRequest, Message, ToolCall, ToolCallFunction
+from gateway import structured
 from gateway.structured import schema_text
 from gateway import tools as agent_tools
 
@@ -75,7 +76,7 @@ class MessagesAPI:
         chat = chat_request(req, max_completion_tokens=req.max_tokens, stream=req.stream, stop=req.stop_sequences,
                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                             max_draft_tokens=req.max_draft_tokens)
-        chat, gen, plan = self._run(chat)
+        chat, gen, plan = await self._run(chat, len(body))
         mid = "msg_" + gen.request_id
         return Call(req.model, gen, req.stream, MessagesEvents(mid, chat.model, len(gen.prompt_ids), Splitter(plan)))
 
@@ -85,7 +86,9 @@ class MessagesAPI:
         status = 500
         try:
             await self.service.auth.authenticate(credentials(request.headers))
-            chat, gen, _ = self._run(chat_request(decode_strict(body, CountTokensRequest)))
+            with structured.deferred() as schemas:  # compiled off the event loop, as on the chat path
+                chat, gen, _ = await self._run(chat_request(decode_strict(body, CountTokensRequest)), len(body))
+            await self.service.schemas.check(schemas)
             status = 200
             return web.json_response({"input_tokens": len(gen.prompt_ids)})
         except APIError as e:
@@ -95,9 +98,9 @@ class MessagesAPI:
             self.service.metrics.record_request(self.service.cfg.model.name, status, time.perf_counter() - start,
                                                 api="count_tokens")
 
-    def _run(self, chat: ChatRequest):
+    async def _run(self, chat: ChatRequest, size: int):
         try:
-            chat, gen = self.service.chat_request(chat)
+            chat, gen = await chat_off_loop(self.service, chat, size)
             return chat, gen, agent_tools.plan_chat(chat)
         except APIError as e:
             raise renamed(e, _PARAMS + _tool_params(chat)) from None

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway.adapters import Splitter, decode_strict, renamed
+from gateway.adapters import Splitter, chat_off_loop, decode_strict, renamed
 from gateway.completions import Call, CompletionService, credentials
 from gateway.errors import APIError, bad_param
 from gateway.openai_types import ChatRequest, Message, ToolCall, ToolCallFunction
@@ -87,8 +87,8 @@ class ResponsesAPI:
     async def prepare(self, body: bytes, key) -> Call:
         req = decode_strict(body, ResponsesRequest)
         _check_unsupported(req)
-        prev = await self._load(req.previous_response_id, key, "previous_response_id") \
-            if req.previous_response_id else None
+        prev, size = await self._load(req.previous_response_id, key, "previous_response_id") \
+            if req.previous_response_id else (None, 0)
         history = prev.messages if prev else []
         new = input_messages(req.input)
         system = [Message(role="system", content=req.instructions)] if req.instructions else []
@@ -98,7 +98,7 @@ class ResponsesAPI:
                            parallel_tool_calls=req.parallel_tool_calls, response_format=chat_format(req.text),
                            max_draft_tokens=req.max_draft_tokens)
         try:
-            chat, gen = self.service.chat_request(chat)
+            chat, gen = await chat_off_loop(self.service, chat, len(body) + size)
             plan = agent_tools.plan_chat(chat)
         except APIError as e:
             raise renamed(e, _PARAMS) from None
@@ -137,7 +137,8 @@ class ResponsesAPI:
             log.warning("response %s not stored: %s", rid, e)
         return False
 
-    async def _load(self, rid: str, key, param: str | None = None) -> Stored:
+    async def _load(self, rid: str, key, param: str | None = None) -> tuple[Stored, int]:
+        """The stored response and its size in bytes; a 404 when it is gone or another key's."""
         if not isinstance(rid, str) or not 0 < len(rid) <= 128:
             raise bad_param(param or "id", "a response id is a string of 1-128 characters")
         try:
@@ -149,13 +150,13 @@ class ResponsesAPI:
         key_id = key.key_id if key is not None else None
         if entry is None or (entry.key_id is not None and entry.key_id != key_id):
             raise APIError(404, f"No response found with id '{rid}'.", param=param, code="response_not_found")
-        return entry
+        return entry, len(data)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         key = await self.service.auth.authenticate(credentials(request.headers))
         if request.query.get("stream", "false").lower() not in ("false", "0"):
             raise bad_param("stream", "streaming a stored response is not supported", code="unsupported_parameter")
-        entry = await self._load(request.match_info["id"], key)
+        entry, _ = await self._load(request.match_info["id"], key)
         return web.json_response(entry.response, dumps=lambda o: msgspec.json.encode(o).decode())
 
     async def delete(self, request: web.Request) -> web.Response:

@@ -1,11 +1,14 @@
 """OpenAI's Responses API with the official `openai` client against a real `pulse serve` (Pulse's engine on
-CPU, two gateway replicas on one port, a real redis-server holding stored responses): whole and streamed
-responses that agree, a function-call round trip, `text.format` json_schema, a conversation continued by
-`previous_response_id` from fresh connections (either replica) and after the whole server restarted,
-GET and DELETE, and bad input as OpenAI-shaped 4xx errors naming the field."""
+CPU, two gateway replicas on one port, a real redis-server holding stored responses and API keys): whole
+and streamed responses that agree, a function-call round trip, `text.format` json_schema, a conversation
+continued by `previous_response_id` from fresh connections (either replica) and after the whole server
+restarted, GET and DELETE, a stored response hidden from other keys, and bad input as OpenAI-shaped 4xx
+errors naming the field."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -38,14 +41,19 @@ class Server:
 
     def __init__(self, redis_url: str, tmp):
         self.redis_url, self.tmp = redis_url, tmp
+        self.key, self.other_key = (self._new_key() for _ in range(2))  # keys live in Redis too
         self.srv = self._start()
+
+    def _new_key(self) -> str:
+        return subprocess.run([sys.executable, "-m", "pulse.cli", "keys", "create", "--redis-url", self.redis_url],
+                              check=True, capture_output=True, text=True).stdout.strip()
 
     def _start(self) -> PulseProcess:
         return PulseProcess(["--redis-url", self.redis_url], CONFIG, self.tmp).wait_ready(300)
 
-    def client(self) -> openai.OpenAI:
+    def client(self, key: str | None = None) -> openai.OpenAI:
         """A new client: a new connection, which the kernel may hand to either gateway replica."""
-        return openai.OpenAI(base_url=self.srv.base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        return openai.OpenAI(base_url=self.srv.base + "/v1", api_key=key or self.key, timeout=120, max_retries=0)
 
     def restart(self) -> None:
         self.srv.stop()
@@ -130,8 +138,25 @@ def test_conversation_continues_on_any_replica(server, redis_module):
     assert redis.Redis.from_url(redis_module.url).exists(f"pulse:response:{first.id}")
     # fresh connections spread over both replicas (SO_REUSEPORT): each must find the first turn in Redis
     for i in range(6):
-        r = ask(server.client(), previous_response_id=first.id, input=f"Say {i}.", max_output_tokens=4)
+        r = ask(server.client(), previous_response_id=first.id, input=f"Say {i}.", max_output_tokens=4,
+                instructions="Answer briefly.")  # instructions are per request: agents send them every turn
         assert r.previous_response_id == first.id and r.usage.input_tokens > first.usage.input_tokens
+        # the continuation's prompt starts with the first turn's exact text: its KV blocks are reused
+        assert r.usage.input_tokens_details.cached_tokens >= 16, r.usage
+
+
+def test_a_stored_response_is_its_keys_alone(server):
+    mine = ask(server.client(), max_output_tokens=2)
+    other = server.client(server.other_key)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        ask(other, previous_response_id=mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    assert server.client().responses.retrieve(mine.id).id == mine.id
+    with pytest.raises(openai.AuthenticationError):
+        ask(server.client("sk-not-a-key"))
 
 
 def test_bad_input_is_an_openai_400(server):
