@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from gateway.adapters import Splitter, chat_off_loop, decode_strict, renamed
 from gateway.completions import Call, CompletionService, credentials
@@ -133,7 +134,7 @@ class ResponsesAPI:
             if await self.store.put(rid, msgspec.json.encode(entry)):
                 return True
             log.warning("response %s not stored: larger than %d bytes", rid, self.store.max_bytes)
-        except StoreUnavailable as e:
+        except (StoreUnavailable, RedisError) as e:  # e.g. Redis at its maxmemory: answer, unstored
             log.warning("response %s not stored: %s", rid, e)
         return False
 
@@ -146,7 +147,11 @@ class ResponsesAPI:
         except StoreUnavailable:
             raise APIError(503, "the response store is unreachable; retry shortly", code="store_unavailable",
                            headers={"Retry-After": "1"}) from None
-        entry = msgspec.json.decode(data, type=Stored) if data is not None else None
+        try:
+            entry = msgspec.json.decode(data, type=Stored) if data is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):  # written by an incompatible version
+            log.warning("stored response %s cannot be read; treating it as gone", rid)
+            entry = None
         key_id = key.key_id if key is not None else None
         if entry is None or (entry.key_id is not None and entry.key_id != key_id):
             raise APIError(404, f"No response found with id '{rid}'.", param=param, code="response_not_found")

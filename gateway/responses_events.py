@@ -60,8 +60,9 @@ class ResponsesEvents(Events):
         return b"".join(out)
 
     def error(self, message: str) -> bytes:
+        opened = [] if self._seq else [self._lifecycle("response.created", "in_progress")]  # failed before any output
         response = self.response("failed", error={"code": "server_error", "message": message})
-        return self._event("response.failed", response=response)
+        return b"".join(opened + [self._event("response.failed", response=response)])
 
     async def whole(self, text, finish, usage, logprobs) -> dict:
         self._apply(self.splitter.feed(text))

@@ -159,3 +159,10 @@ def test_memory_store_is_bounded_by_bytes():
     held = [i for i in range(5) if run(store.get(f"r{i}")) is not None]
     assert held == [3, 4]  # 250 bytes hold two entries; the oldest went first
     assert run(store.delete("r4")) and run(store.get("r4")) is None
+
+
+def test_responses_failure_before_output_still_opens_the_stream():
+    events = sse_events(responses_events(ChatPlan(), []).error("worker failed"))
+    assert [k for k, _ in events] == ["response.created", "response.failed"]
+    failed = events[1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == "worker failed"
