@@ -70,3 +70,13 @@ async def test_local_clients_and_the_status_page_pass(loadtest_server, model):
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{port}/") as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+
+
+async def test_headers_are_bounded(loadtest_server, model):
+    """An x-session-id (or any header) past server.max_header_bytes is refused before any handler runs;
+    one just under it is served (the router keys a long id by its digest)."""
+    headers = {"Content-Type": "application/json"}
+    status, _, _ = await _post(loadtest_server.base, CHAT, _chat_body(model), {**headers, "x-session-id": "s" * 17_000})
+    assert status in (400, 431)
+    status, _, text = await _post(loadtest_server.base, CHAT, _chat_body(model), {**headers, "x-session-id": "s" * 15_000})
+    assert status == 200, text
