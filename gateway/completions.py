@@ -303,8 +303,8 @@ class CompletionService:
                       rm, span) -> web.StreamResponse:
         """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
         the first batch goes out as soon as it arrives."""
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                          "x-pulse-worker": worker.worker_id})
+        out = SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                   "x-pulse-worker": worker.worker_id})
         await out.prepare(request)
         is_first = True
         try:
@@ -338,6 +338,13 @@ class CompletionService:
             rm.finish("stream_error")
             await _sse_error(out, events, f"worker {worker.worker_id} failed mid-stream")
         return out
+
+
+class SSEResponse(web.StreamResponse):
+    """A stream whose headers leave with its first events, in one write: the first batch is already in hand
+    when the stream opens, and on loopback each write costs the receiver's TCP processing too."""
+
+    _send_headers_immediately = False  # aiohttp's own switch (web.Response turns it off the same way)
 
 
 OFF_LOOP_BYTES = 32 << 10  # a body this long holds a prompt of ~8k tokens or more
