@@ -17,7 +17,7 @@ plat=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platfo
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
   -d "$work/wheels" "ray[serve]>=2.60,<2.61" "msgspec>=0.18" "redis>=5" "gguf>=0.10" "llguidance==1.9.1" \
   "opentelemetry-api>=1.25" "opentelemetry-sdk>=1.25" "opentelemetry-exporter-otlp>=1.25" "pydantic>=2.7" \
-  "threadpoolctl>=3.1" "xxhash>=3.4" pytest-asyncio 2>&1 | grep -v "is ignored" || true
+  "threadpoolctl>=3.1" "xxhash>=3.4" "cachetools>=5.3" "tqdm>=4.66" pytest-asyncio 2>&1 | grep -v "is ignored" || true
 pins=$(cd "$work/wheels" && ls *.whl | grep -v '^numpy-' | awk -F- '{print $1 "==" $2}' | tr '\n' ' ')
 echo "$(echo "$pins" | wc -w) wheels"
 sed 's/--platform manylinux_2_28_x86_64/--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64/' \

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The served benchmark (bench/served.py) on the H200 test machine, one part of its grid per call (the whole grid
+# does not fit in one 10-minute call). Stage first, back to back (the machine forgets everything once idle):
+#
+#   bash bench/gpu_stage_ray.sh            # here: .device/stage-1..N (the model, Ray and Pulse's dependencies)
+#   call 1: bash bench/gpu_build_llama.sh   carrying .llama (llama-server with CUDA, ~4 min in the background)
+#   calls 2..N+1: bash .device/stage-K/unpack.sh   carrying .device/stage-K, the last one with .devcache
+#   then:  bash bench/gpu_served.sh story   (or code, json), each call carrying nothing more
+#
+# Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
+# clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the
+# summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes.
+set -u
+workload=${1:-story}
+home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+model=$home/model/gemma-3-270m-q4_k_m.gguf
+res=/tmp/served-$workload
+mkdir -p "$res"
+export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+touch -d @1700000000 "$model"
+mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
+for i in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+targets="pulse pulse-k0"
+[[ $(cat /root/lb/build.rc 2>/dev/null) == 0 ]] && targets="$targets llama" || echo "no llama-server build: Pulse only"
+timeout "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
+  --device cuda --profile h200 --targets $targets --workloads "$workload" --out "$res" --quiet \
+  ${SERVED_ARGS:---clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 3 --warmup 1 --duration 15 --timeout 60} \
+  2>&1 | tail -40
+python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+cp "$res"/served-logs-*/records.jsonl "${OUT:-/tmp}/records-$workload.jsonl" 2>/dev/null
+cp "$res"/served-*.json "$res"/served-*.md "$res"/served-*.png "${OUT:-/tmp}/" 2>/dev/null
