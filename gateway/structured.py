@@ -129,7 +129,8 @@ def compile_error(text: str) -> str | None:
         grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
     except ValueError as e:
         return str(e)[:1000]
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=llg.LLParserLimits(**_LIMITS))
+    limits = llg.LLParserLimits(**_LIMITS)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits)
     return ("; ".join(messages)[:1000] or "invalid schema") if is_error else None
 
 

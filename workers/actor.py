@@ -61,7 +61,7 @@ def device_id(kind: str) -> str:
 
 
 def advertised_host(bind: str) -> str:
-    """The address other nodes reach this worker at."""
+    """The address other nodes reach this worker at, which it binds: a wildcard becomes the node's IP."""
     if bind not in ("0.0.0.0", "::"):
         return bind
     try:
@@ -106,12 +106,11 @@ class WorkerActor:
             srv = self.config.server
             limits = RequestLimits(context_length=ctx, vocab_size=model.vocab_size,
                                    max_stop_strings=srv.max_stop_strings, max_stop_length=srv.max_stop_length)
-            self.server = StreamServer(self.backend, host=self.bind_host, worker_id=self.worker_id,
+            # "all interfaces" means the node's own address (where other nodes reach it), not every one
+            self.server = StreamServer(self.backend, host=advertised_host(self.bind_host), worker_id=self.worker_id,
                                        tracer=provider.get_tracer("pulse.worker"), limits=limits,
                                        block_log=None if self.publisher else self.block_log)
             url = await self.server.start()
-            host = advertised_host(self.bind_host)
-            url = url.replace(self.bind_host, host, 1) if host != self.bind_host else url
             stats = self.backend.stats()
             # the channel secret reaches gateways only through Ray (this return value), never the network
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,

@@ -4,9 +4,10 @@ POST /generate takes a GenerateRequest (JSON) and answers with one Chunk (JSON) 
 answers BackendStats. Only the gateway may call: every request carries `Authorization: Bearer <secret>`
 (the worker's channel secret, made here and handed to gateways through Ray in WorkerInfo), compared in
 constant time; anything else gets 401. The worker checks every bound of a GenerateRequest itself
-(workers/request_limits.py) and takes bodies no larger than a within-bounds request needs. Chunks that are ready together go out in one write (coalescing), the first at
-once. A gateway that closes the connection cancels the generation: aiohttp cancels the handler and the
-backend's iterator is closed in `finally`, freeing the slot and KV blocks.
+(workers/request_limits.py) and takes bodies no larger than a within-bounds request needs. Chunks that
+are ready together go out in one write (coalescing), the first at once. A gateway that closes the
+connection cancels the generation: aiohttp cancels the handler and the backend's iterator is closed in
+`finally`, freeing the slot and KV blocks.
 """
 from __future__ import annotations
 

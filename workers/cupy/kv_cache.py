@@ -4,9 +4,10 @@ K/V live in fixed-size blocks; a sequence's block table lists its blocks in orde
 is named by its chain hash (cache.hashing: parent hash + its tokens), the same hash the router computes,
 so a new request whose prompt starts with cached blocks attaches them (reference counted) instead of
 recomputing them. A block is reused only when its chain key (cache.hashing.chain_key: BLAKE2b-128 over the
-parent's key and its tokens) matches as well, so it is the same whole prefix, not only the same hash. Blocks nobody references but that still hold a hashed prefix stay cached and are
-evicted least-recently-used first, only when a fresh block is needed. Additions and evictions are
-reported to the block sink as BlockEvents (the prefix index), once per engine step.
+parent's key and its tokens) matches as well, so it is the same whole prefix, not only the same hash.
+Blocks nobody references but that still hold a hashed prefix stay cached and are evicted least-recently-used
+first, only when a fresh block is needed. Additions and evictions are reported to the block sink as
+BlockEvents (the prefix index), once per engine step.
 
 Two pools for models with sliding-window layers (Gemma 3: 5 of 6 layers see only the last 512 tokens):
 - the global pool holds the global layers' K/V for every block of a context, as above;
