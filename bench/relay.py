@@ -141,8 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--loop", choices=loops.CHOICES, default="auto", help="event loop (auto: uvloop if installed)")
     args = ap.parse_args(argv)
     app = upstream_app(args.tokens, args.rate) if args.role == "upstream" else relay_app(args.upstream)
-    # access_log=None: logging every request would be most of what a relay this small costs
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=loops.new_loop(args.loop))
+    # access_log=None: logging every request would be most of what a relay this small costs; the backlog is
+    # the gateway's (1024), so a thousand clients connecting at once are not dropped here and not there
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=loops.new_loop(args.loop),
+                backlog=1024)
     return 0
 
 
