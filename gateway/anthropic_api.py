@@ -210,6 +210,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     """Client tools (`name`, `description`, `input_schema`) -> chat function tools; server tools are a 400."""
     if not tools:
         return None
+    if len(tools) > agent_tools.MAX_TOOLS:  # before any schema is looked at
+        raise bad_param("tools", f"at most {agent_tools.MAX_TOOLS} tools; got {len(tools)}")
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")

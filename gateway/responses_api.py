@@ -259,6 +259,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     """Responses' flat function tools -> chat's `{"type": "function", "function": {...}}`."""
     if tools is None:
         return None
+    if len(tools) > agent_tools.MAX_TOOLS:  # before any schema is looked at
+        raise bad_param("tools", f"at most {agent_tools.MAX_TOOLS} tools; got {len(tools)}")
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")

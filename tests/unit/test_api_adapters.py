@@ -166,3 +166,15 @@ def test_responses_failure_before_output_still_opens_the_stream():
     assert [k for k, _ in events] == ["response.created", "response.failed"]
     failed = events[1][1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "worker failed"
+
+
+def test_too_many_tools_are_refused_before_their_schemas_are_read():
+    from gateway.anthropic_api import chat_tools as anthropic_tools
+    from gateway.responses_api import chat_tools as responses_tools
+
+    many = [{"type": "function", "name": f"f{i}", "parameters": {"type": "strnig"}} for i in range(129)]
+    for convert in (responses_tools, anthropic_tools):
+        with pytest.raises(APIError) as e:
+            convert([dict(t, type="function") if convert is responses_tools else
+                     {"name": t["name"], "input_schema": t["parameters"]} for t in many])
+        assert e.value.param == "tools" and "at most 128" in e.value.message
