@@ -21,8 +21,8 @@ from workers.protocol import GenerateRequest, SamplingParams
 
 cp = pytest.importorskip("cupy")
 
-from workers.cupy.gpu import GpuSampler  # noqa: E402
-from workers.cupy.gpu.kernels import DeviceDraws, Kernels, argmax_chunks  # noqa: E402
+from workers.cupy.gpu import GpuSampler
+from workers.cupy.gpu.kernels import DeviceDraws, Kernels, argmax_chunks
 
 RNG = np.random.default_rng()
 

@@ -8,7 +8,6 @@ block boundaries; one prompt runs past the 512-token sliding window.
 """
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import numpy as np
@@ -181,6 +180,31 @@ def test_seeded_sampling_is_batch_and_speculation_invariant(prompts):
     spec, finals = generate(spec_engine(4), prompts[:2], 12, sampling=sampling)
     assert alone[0] == batched[1] == spec[0]
     assert finals[0].drafted_tokens > 0
+
+
+def test_every_sampled_row_was_staged_before_its_forward(prompts):
+    """The device sampler's contract (workers/cupy/gpu GpuSampler draws inside the step): the rows the engine
+    samples, in plain and verify steps alike, are exactly the rows it staged before that step's forward, at
+    the same logits rows. Checked here with the NumPy sampler, recording."""
+    from workers.cupy.sampler import Sampler
+
+    class Recording(Sampler):
+        staged, mismatches, calls = None, 0, 0
+
+        def stage(self, rows):
+            self.staged = list(rows)
+
+        def sample(self, logits, rows, index=None):
+            sel = range(len(rows)) if index is None else index
+            self.calls += 1
+            self.mismatches += any(self.staged[i] != r for i, r in zip(sel, rows)) or len(self.staged) != logits.shape[0]
+            return super().sample(logits, rows, index)
+
+    engine = spec_engine(4)
+    engine.sampler = Recording(np)
+    _, finals = generate(engine, prompts[:2], 12, sampling=SamplingParams(temperature=1.0, seed=42))
+    assert finals[0].drafted_tokens > 0  # verify steps ran
+    assert engine.sampler.calls > 0 and engine.sampler.mismatches == 0
 
 
 async def test_backend_stop_strings_usage_and_stats(prompts):

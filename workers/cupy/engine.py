@@ -17,7 +17,7 @@ from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
 from workers.cupy.rng import row_key
 from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.scheduler import Scheduler
-from workers.cupy.sequence import Sequence, SeqStatus
+from workers.cupy.sequence import SeqStatus, Sequence
 from workers.protocol import GenerateRequest, TokenLogprob
 
 RATE_WINDOW_S = 5.0  # tokens/s in stats are averaged over this many recent seconds
