@@ -55,9 +55,11 @@ def config_yaml(args, log_dir: Path) -> str:
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
             ls[key] = getattr(args, key)
-    # one model (a config naming none serves both bundled ones)
-    return json.dumps({"model": {"path": args.model, "name": args.model}, "workers": {"backend": "llama-server", "count": 1,
-                                                                 "llama_server": ls}})  # JSON is YAML
+    doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
+           "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
+    if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
+        doc["admission"] = {"queue_deadline_s": args.queue_deadline}
+    return json.dumps(doc)  # JSON is YAML
 
 
 def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str) -> dict[str, LoadSpec]:
@@ -140,6 +142,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=300.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request")
     ap.add_argument("--model", default="gemma-3-270m", help="the bundled model Pulse serves (its name)")
+    ap.add_argument("--queue-deadline", type=float, default=None,
+                    help="Pulse's admission.queue_deadline_s (default: Pulse's, 30 s)")
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the device profile's)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="llama-server -c (default: the profile's)")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: Pulse's)")
