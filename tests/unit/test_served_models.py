@@ -116,3 +116,13 @@ def test_a_bundled_model_named_alone_is_served_under_its_own_name():
     assert [m.name for m in cfg.models] == ["smollm2-135m-instruct"]
     named = load_config(overrides={"model": {"path": "smollm2-135m-instruct", "name": "chat"}}, environ={})
     assert named.model.name == "chat"
+
+
+def test_one_server_can_hold_a_gguf_on_each_backend():
+    """bench/backend_speed.yaml: the default-backend measurement runs both backends in one `pulse serve`."""
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "bench" / "backend_speed.yaml", environ={})
+    by_backend = {(m.path, m.backend) for m in cfg.models}
+    assert by_backend == {(p, b) for p in ("gemma-3-270m", "smollm2-135m-instruct") for b in ("cupy", "llama-server")}
+    assert {cfg.for_model(m).workers.backend for m in cfg.models} == {"cupy", "llama-server"}
