@@ -1,6 +1,6 @@
 """The engine's NumPy (CPU) path speed, through the whole engine (scheduler, paged KV, sampler).
 
-    python -m bench.engine_cpu --repeats 5 [--threads 1] [--llama-threads 1 2] [--json out.json]
+    python -m bench.engine_cpu --repeats 5 [--threads 1] [--llama-threads 1 2] [--json out.json] [--model M]
 
 Cases, interleaved in every repeat after one discarded warm-up round (order rotated per repeat):
 - prefill: one 512-token prompt in one step, prompt tokens/s;
@@ -39,11 +39,13 @@ GREEDY = SamplingParams(temperature=0.0)
 def decode_prompts(info, n_seqs: int) -> list[list[int]]:
     """The decode cases' prompts: BOS + 15 random ids each (the same for the engine and llama.cpp)."""
     rng = np.random.default_rng(n_seqs)
-    return [[info.bos_token_id] + rng.integers(1000, 100_000, 15).tolist() for _ in range(n_seqs)]
+    return [[info.bos_token_id] + rng.integers(1000, min(100_000, info.vocab_size), 15).tolist()
+            for _ in range(n_seqs)]
 
 
 def prefill_prompt(info, n_tokens: int = 512) -> list[int]:
-    return [info.bos_token_id] + np.random.default_rng(0).integers(1000, 100_000, n_tokens - 1).tolist()
+    high = min(100_000, info.vocab_size)
+    return [info.bos_token_id] + np.random.default_rng(0).integers(1000, high, n_tokens - 1).tolist()
 
 
 def decode_rate(model, info, n_seqs: int, n_tokens: int) -> tuple[float, float]:
@@ -138,12 +140,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--llama-threads", type=int, nargs="*", default=[],
                     help="also run llama.cpp's CPU build, one llama-server per thread count given (-t N)")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--model", help="a GGUF path or bundled model name (default: the bundled Gemma 3 270M)")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=args.threads, user_api="blas")
     machine = describe(machine_info())  # before the run: its load average is the one at the start
-    info = load_model_info(None)
+    info = load_model_info(args.model)
     model = build_model(info, load_weights(info.path), Ops(np))
     loop = asyncio.new_event_loop()
     servers = [LlamaCpu(info.path, t) for t in args.llama_threads]
