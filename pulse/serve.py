@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -102,8 +103,16 @@ def serve_main(config: PulseConfig) -> int:
 
     for model in config.models:
         print(f"pulse: preparing model {model.name} ({model.path or 'bundled Gemma 3 270M'})", flush=True)
-        load_model_info(model.path)
+        info = load_model_info(model.path)
         load_tokenizer(model.path)  # derived once here so workers and gateways read the cache
+        if config.for_model(model).workers.backend == "cupy":
+            from workers.cupy.models import check_architecture
+
+            try:  # here, before Ray starts, rather than as a worker failing inside it
+                check_architecture(info.architecture)
+            except ValueError as e:
+                print(f"pulse: model {model.name}: {e}", file=sys.stderr, flush=True)
+                return 2
 
     # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
     # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance

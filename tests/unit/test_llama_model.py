@@ -126,3 +126,28 @@ def test_unsupported_architecture_names_it_and_llama_server():
         check_architecture("qwen2")
     msg = str(e.value)
     assert "'qwen2'" in msg and "gemma3" in msg and "llama" in msg and "llama-server" in msg
+
+
+def test_serve_refuses_an_unsupported_architecture_before_starting(tmp_path, capsys):
+    """`pulse serve --backend cupy` on a GGUF the engine cannot run: exit 2 naming it, before Ray starts."""
+    import gguf
+
+    from pulse.cli import main
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(512)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "▁a", "a"])
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    w.add_token_types([2, 3, 3, 1, 1])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((5, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["serve", "--backend", "cupy", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'qwen2'" in err and "gemma3, llama" in err and "llama-server" in err
