@@ -113,6 +113,9 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     from workers.pipeline.recovery import LiveBlocks, StageRecovery
     from workers.pipeline.runner import PipelinedModel
 
+    if info.architecture != "gemma3":  # the stage layers (layers.py, gpu.py) are Gemma 3's
+        raise ValueError(f"pipeline stages run gemma3 models only; {info.architecture!r} runs on one worker "
+                         "(leave pipeline_stages at 1)")
     cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
     stages = start_stages(stages_plan, model_path, cache_dir, bind_host=bind_host, max_model_len=context_length,
                           cpu_threads=cpu_threads, resources=resources, launcher=launcher)
