@@ -354,6 +354,7 @@ class PulseConfig(PulseModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Worker choice: prefix vs load.")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission queue and limits.")
     keys: KeysConfig = Field(default_factory=KeysConfig, description="API keys and per-key limits.")
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig, description="Stored Responses API responses.")
 
     @model_validator(mode="after")
     def _served_models(self) -> "PulseConfig":
@@ -377,4 +378,3 @@ class PulseConfig(PulseModel):
         if model.backend is not None:
             data["workers"]["backend"] = model.backend
         return PulseConfig.model_validate(data)
-    responses: ResponsesConfig = Field(default_factory=ResponsesConfig, description="Stored Responses API responses.")
