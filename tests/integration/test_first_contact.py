@@ -57,6 +57,22 @@ def test_the_readme_example_runs_verbatim(default_server, tmp_path):
     assert lines == shown, f"the README shows {shown}; the example printed {lines}"
 
 
+def test_the_readme_responses_and_anthropic_example_runs_verbatim(default_server, tmp_path):
+    """The second Python block (Responses with a stored turn, then Anthropic's client) after the first one,
+    whose `client` it uses: it runs, and prints answers after the first block's lines."""
+    first, second = re.findall(r"```python\n(.*?)```", use_it(), re.S)[:2]
+    assert "previous_response_id" in second and "Anthropic(" in second
+    code = (first + second).replace("http://127.0.0.1:8000/v1", default_server.base + "/v1")
+    script = tmp_path / "readme_example2.py"
+    script.write_text(code.replace("http://127.0.0.1:8000", default_server.base))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    shown = readme_output()
+    assert lines[:len(shown)] == shown and "".join(lines[len(shown):]).strip(), lines
+
+
 def readme_output() -> list[str]:
     """The output the README shows for its example (the plain block right after it)."""
     after = use_it().split("```python\n", 1)[1].split("```", 1)[1]
