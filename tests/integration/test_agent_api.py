@@ -204,8 +204,11 @@ def test_openai_client_models_chat_and_completions(client):
     streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
     assert streamed == chat.choices[0].message.content  # temperature 0: the same text either way
     assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
-    done = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=0)
+    # A prompt whose continuation is no near-tie: llama-server's logits for a prompt computed whole and for one
+    # found in a slot's cache may differ in the last bits (its docs on cache_prompt), and "def add(a, b):"
+    # put "print" and "return" close enough to flip with the instruction set the binary was built for.
+    prompt = "1, 2, 3, 4, 5,"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     assert done.choices[0].text and done.usage.prompt_tokens > 0
-    pieces = list(client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=0,
-                                            stream=True))
+    pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
