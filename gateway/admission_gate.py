@@ -63,6 +63,7 @@ class AdmissionGate:
             self._settle(entry, decision)
             return decision
         heapq.heappush(self._waiters, entry)
+        self._drain.busy(self._clock(), True)
         deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
         try:
@@ -108,3 +109,5 @@ class AdmissionGate:
         except ValueError:
             return
         heapq.heapify(self._waiters)
+        if not self._waiters:
+            self._drain.busy(self._clock(), False)

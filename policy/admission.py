@@ -153,37 +153,55 @@ def _reject_400(message: str) -> AdmissionDecision:
 
 
 class DrainRate:
-    """Requests per second leaving the queue (or finishing), as an exponentially decaying average.
+    """Requests per second leaving the queue while requests wait in it, as an exponentially decaying average.
 
-    Pure: the caller passes the clock (`time.monotonic()`), so tests drive it. `record(now)` at each
-    departure; `rate(now)` is the rate over roughly the last `window_s` seconds.
+    Pure: the caller passes the clock (`time.monotonic()`), so tests drive it. `busy(now, waiting)` whenever
+    the queue turns empty or non-empty; `record(now)` at each departure; `rate(now)` is the rate over roughly
+    the last `window_s` seconds of busy time. Only busy time counts, and only departures while someone waits:
+    an idle minute decayed a wall-clock average toward zero, and the next burst was then refused at once as a
+    queue that could never drain (bench/llama_server_parity, 64 clients after an idle spell).
     """
 
     def __init__(self, window_s: float = 10.0):
         self.window_s = window_s
         self._count = 0.0  # decayed number of departures
-        self._last: float | None = None
-        self._first: float | None = None
+        self._last: float | None = None  # busy-clock time of the last decay
+        self._first: float | None = None  # busy-clock time of the first departure
+        self._busy_s = 0.0  # busy seconds before the current busy spell
+        self._since: float | None = None  # when the current busy spell began; None while idle
+
+    def busy(self, now: float, waiting: bool) -> None:
+        if waiting and self._since is None:
+            self._since = now
+        elif not waiting and self._since is not None:
+            self._busy_s += max(0.0, now - self._since)
+            self._since = None
 
     def record(self, now: float, n: int = 1) -> None:
-        self._decay(now)
+        if self._since is None:
+            return  # nobody was waiting: this departure drained no queue
+        self._decay(self._busy_clock(now))
         self._count += n
 
     def rate(self, now: float) -> float:
         if self._first is None:
             return 0.0
-        self._decay(now)
-        # While fewer than window_s seconds have been observed, divide by the time actually seen.
-        seen = self.window_s * (1.0 - math.exp(-max(now - self._first, 1e-3) / self.window_s))
+        t = self._busy_clock(now)
+        self._decay(t)
+        # While fewer than window_s busy seconds have been observed, divide by the time actually seen.
+        seen = self.window_s * (1.0 - math.exp(-max(t - self._first, 1e-3) / self.window_s))
         return self._count / seen
 
-    def _decay(self, now: float) -> None:
+    def _busy_clock(self, now: float) -> float:
+        return self._busy_s + (max(0.0, now - self._since) if self._since is not None else 0.0)
+
+    def _decay(self, t: float) -> None:
         if self._last is None:
-            self._first = self._last = now
+            self._first = self._last = t
             return
-        dt = max(0.0, now - self._last)
+        dt = max(0.0, t - self._last)
         self._count *= math.exp(-dt / self.window_s)
-        self._last = now
+        self._last = t
 
 
 def effective_priority(asked: int | None, key_max: int) -> int:

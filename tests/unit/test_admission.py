@@ -96,19 +96,26 @@ def test_reservations_count_against_free_kv():
     assert kv_tokens_needed(A(prompt=100, max_tokens=100, cached=64), 100, half) == 86
 
 
-def test_drain_rate_measures_steady_rate_and_decays():
+def test_drain_rate_measures_steady_rate_and_decays_over_busy_time_only():
     m = DrainRate(window_s=10)
     assert m.rate(0.0) == 0.0
+    m.record(0.1)  # nobody waits: a departure drains no queue
+    assert m.rate(0.2) == 0.0
+    m.busy(0.0, True)
     t = 0.0
-    for _ in range(200):  # 4 per second for 50 s
+    for _ in range(200):  # 4 per second for 50 s, with requests waiting
         t += 0.25
         m.record(t)
     assert m.rate(t) == pytest.approx(4.0, rel=0.1)
     early = DrainRate(window_s=10)
+    early.busy(0.0, True)
     for i in range(1, 9):  # the warm-up is not underestimated: 4/s over the first 2 s
         early.record(i * 0.25)
     assert early.rate(2.0) == pytest.approx(4.0, rel=0.3)
-    assert m.rate(t + 30) < 0.3  # nothing left the queue for 30 s: the rate falls away
+    m.busy(t, False)
+    assert m.rate(t + 60) == pytest.approx(4.0, rel=0.1)  # an idle minute: the next burst drains as the last
+    m.busy(t + 60, True)
+    assert m.rate(t + 90) < 0.3  # requests waiting and none leaving for 30 s: the rate falls away
 
 
 @settings(max_examples=400, deadline=None)
