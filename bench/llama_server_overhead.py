@@ -171,22 +171,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def start_pulse(config: str, log_dir: Path, procs: list, start_timeout: float) -> tuple[Proc, str, int, int]:
+    """`pulse serve` with `config` (written to log_dir), healthy: (its process, its URL, and the pid and port of
+    the llama-server its one worker runs, for the same requests sent direct)."""
+    (log_dir / "pulse.yaml").write_text(config)
+    port = free_port()
+    # `python -m pulse.cli` from this checkout, not whatever `pulse` is first on PATH
+    pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
+                                        "--host", "127.0.0.1", "--port", str(port)), log_dir,
+                 env={"PYTHONPATH": str(REPO)})
+    procs.append(pulse)
+    pulse_url = f"http://127.0.0.1:{port}"
+    pulse.wait_healthy(pulse_url + "/health", timeout=start_timeout)
+    return (pulse, pulse_url, *the_worker_server(pulse))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / "pulse.yaml").write_text(config_yaml(args, log_dir))
     with owned_processes() as procs:
-        port = free_port()
-        # `python -m pulse.cli` from this checkout, not whatever `pulse` is first on PATH
-        pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
-                                            "--host", "127.0.0.1", "--port", str(port)), log_dir,
-                     env={"PYTHONPATH": str(REPO)})
-        procs.append(pulse)
-        pulse_url = f"http://127.0.0.1:{port}"
-        pulse.wait_healthy(pulse_url + "/health", timeout=args.start_timeout)
-        llama_pid, llama_port = the_worker_server(pulse)
+        pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, log_dir), log_dir, procs,
+                                                              args.start_timeout)
         direct_url = f"http://127.0.0.1:{llama_port}"
         ids = prompt_ids(args.prompt_tokens)
         paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from bench import loops, protocol
 from bench.gateway_overhead import _load_with_cpu, first_model
-from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, the_worker_server
+from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, start_pulse
 from bench.loadgen import LoadSpec
-from bench.machine import REPO, checked_machine_info
-from bench.procs import Proc, free_port, owned_processes, python_module
+from bench.machine import checked_machine_info
+from bench.procs import Proc, owned_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_RATIO, GOAL_ADDED_P50_MS = 0.95, 2.0
@@ -159,16 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-parity-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / "pulse.yaml").write_text(config_yaml(args, log_dir))
     with owned_processes() as procs:
-        port = free_port()
-        pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
-                                            "--host", "127.0.0.1", "--port", str(port)), log_dir,
-                     env={"PYTHONPATH": str(REPO)})
-        procs.append(pulse)
-        pulse_url = f"http://127.0.0.1:{port}"
-        pulse.wait_healthy(pulse_url + "/health", timeout=args.start_timeout)
-        llama_pid, llama_port = the_worker_server(pulse)
+        pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, log_dir), log_dir, procs,
+                                                              args.start_timeout)
         paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}
         cells = specs(args, prompt_ids(args.prompt_tokens), pulse_url, first_model(pulse_url),
                       f"http://127.0.0.1:{llama_port}")
