@@ -22,6 +22,23 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
+def joined_text(content: Any, where: str, *, kinds: tuple[str, ...], part: str, noun: str) -> str:
+    """Message text as both APIs send it: a string, or a list of text parts of the types `kinds` (joined);
+    anything else is a 400 naming the part (`part` formats its path from `where` and the index `j`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_param(where, f"`{where}` must be a string or a list of text {noun}s")
+    texts = []
+    for j, item in enumerate(content):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind not in kinds or not isinstance(item.get("text"), str):
+            raise bad_param(part.format(where=where, j=j), f"{noun} type {kind!r} is not supported; use {kinds[0]!r}",
+                            code="unsupported_value")
+        texts.append(item["text"])
+    return "".join(texts)
+
+
 def decode_strict(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Parse a body into `kind` (a Struct with forbid_unknown_fields): a field this server does not
     implement is a 400 naming it, not silently ignored."""

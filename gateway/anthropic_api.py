@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway.adapters import Splitter, chat_off_loop, decode_strict, renamed
+from gateway.adapters import Splitter, chat_off_loop, decode_strict, joined_text, renamed
 from gateway.anthropic_events import MessagesEvents
 from gateway.completions import Call, CompletionService, credentials
 from gateway.errors import APIError, bad_param
@@ -192,18 +192,7 @@ def _blocks(role: str, blocks: list, where: str, names: dict[str, str]) -> list[
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_param(where, f"`{where}` must be a string or a list of text blocks")
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise bad_param(f"{where}.{j}.type", f"block type {kind!r} is not supported here; use 'text'",
-                            code="unsupported_value")
-        parts.append(block["text"])
-    return "".join(parts)
+    return joined_text(content, where, kinds=("text",), part="{where}.{j}.type", noun="block")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway.adapters import Splitter, chat_off_loop, decode_strict, renamed
+from gateway.adapters import Splitter, chat_off_loop, decode_strict, joined_text, renamed
 from gateway.completions import Call, CompletionService, credentials
 from gateway.errors import APIError, bad_param
 from gateway.openai_types import ChatRequest, Message, ToolCall, ToolCallFunction
@@ -234,18 +234,8 @@ def _message(item: dict, where: str) -> Message:
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_param(where, f"`{where}` must be a string or a list of text parts")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise bad_param(f"{where}[{j}].type", f"content part type {kind!r} is not supported; use 'input_text'",
-                            code="unsupported_value")
-        parts.append(part["text"])
-    return "".join(parts)
+    return joined_text(content, where, kinds=("input_text", "output_text", "text"), part="{where}[{j}].type",
+                       noun="content part")
 
 
 def _str(item: dict, field: str, i: int) -> str:

@@ -178,3 +178,26 @@ def test_too_many_tools_are_refused_before_their_schemas_are_read():
             convert([dict(t, type="function") if convert is responses_tools else
                      {"name": t["name"], "input_schema": t["parameters"]} for t in many])
         assert e.value.param == "tools" and "at most 128" in e.value.message
+
+
+def test_message_text_parts_are_joined_and_other_parts_named_in_each_api():
+    """Both adapters read message text through adapters.joined_text: a string or text parts joined; another
+    part type is a 400 naming its path in that API's own notation."""
+    msgs = input_messages([{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]}])
+    assert msgs[0].content == "ab"
+    with pytest.raises(APIError) as e:
+        input_messages([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    assert e.value.status == 400 and e.value.param == "input[0].content[0].type"
+    assert "'input_image' is not supported; use 'input_text'" in e.value.message
+    with pytest.raises(APIError) as e:
+        input_messages([{"role": "user", "content": 7}])
+    assert e.value.param == "input[0].content"
+    def result(content):  # a tool result's content: text through the same helper
+        return chat_messages([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                            "content": content}]}])
+
+    assert result([{"type": "text", "text": "x"}, {"type": "text", "text": "y"}])[0].content == "xy"
+    with pytest.raises(APIError) as e:
+        result([{"type": "image", "source": {}}])
+    assert e.value.param == "messages.0.content.0.content.0.type" and "use 'text'" in e.value.message
