@@ -13,13 +13,19 @@ import asyncio
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
+from gateway import structured
+from gateway import tools as agent_tools
+from gateway.auth import KeyAuth
+from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_param, error_body
+from gateway.models import ModelCatalog, ServedModel
 from gateway.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -29,12 +35,7 @@ from gateway.openai_types import (
     validate_chat,
     validate_completion,
 )
-from gateway.auth import KeyAuth
-from gateway.dispatch import Dispatcher
 from gateway.pool import WorkerState
-from gateway.models import ModelCatalog, ServedModel
-from gateway import structured
-from gateway import tools as agent_tools
 from gateway.responses import Shaper
 from policy.config import PulseConfig
 from workers.protocol import Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
@@ -56,7 +57,7 @@ class Call:
     operation: str = "chat"  # gen_ai.operation.name
 
 
-class Events:
+class Events(ABC):
     """How one protocol writes a generation back; each API adapter subclasses it.
 
     `delta` gives the SSE bytes of output text (`first`: the stream's first write, which opens it);
@@ -64,17 +65,20 @@ class Events:
     stored response); `error` one in-band error event after output has started; `whole` the body of a
     non-streamed answer."""
 
+    @abstractmethod
     def delta(self, text: str, logprobs: list[TokenLogprob] | None, first: bool) -> bytes:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def end(self, finish: str, usage: Usage) -> bytes:
-        raise NotImplementedError
+        ...
 
     def error(self, message: str) -> bytes:
         return _error_event(message)
 
+    @abstractmethod
     async def whole(self, text: str, finish: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict:
-        raise NotImplementedError
+        ...
 
 
 class ChatEvents(Events):

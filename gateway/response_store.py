@@ -12,6 +12,8 @@ bounded by total bytes, and forgets everything when the gateway restarts.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import cachetools
 
 from cache.redis_guard import RedisGuard, RedisUnavailable, make_client
@@ -24,21 +26,24 @@ class StoreUnavailable(RedisUnavailable):
     """The store did not answer (Redis down or slow)."""
 
 
-class ResponseStore:
+class ResponseStore(ABC):
     """The contract: bytes in, the same bytes out until `ttl_s` passes or `delete`; entries over
     `max_bytes` are refused (put returns False) rather than truncated."""
 
     def __init__(self, ttl_s: float, max_bytes: int):
         self.ttl_s, self.max_bytes = ttl_s, max_bytes
 
+    @abstractmethod
     async def put(self, rid: str, data: bytes) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def get(self, rid: str) -> bytes | None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def delete(self, rid: str) -> bool:
-        raise NotImplementedError
+        ...
 
     async def close(self) -> None:
         pass
