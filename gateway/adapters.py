@@ -14,11 +14,11 @@ import msgspec
 
 from gateway.completions import OFF_LOOP_BYTES
 from gateway.errors import APIError, bad_param
+from gateway.openai_types import decode
 from gateway.tool_parser import ToolCallStream, ToolDelta
 from gateway.tools import ChatPlan
 
 _json = msgspec.json.Encoder()
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
@@ -40,25 +40,16 @@ def joined_text(content: Any, where: str, *, kinds: tuple[str, ...], part: str, 
 
 
 def decode_strict(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Parse a body into `kind` (a Struct with forbid_unknown_fields): a field this server does not
-    implement is a 400 naming it, not silently ignored."""
-    if not body:
-        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    """Parse a body into `kind` (a Struct with forbid_unknown_fields) as openai_types.decode does; a field
+    this server does not implement is a 400 naming it, not silently ignored."""
     try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        unknown = _UNKNOWN.search(text)
-        m = _PATH.search(text)
-        where = m.group(1) if m else ""
-        if unknown:
-            name = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-            raise bad_param(name, f"`{name}` is not supported by this server", code="unsupported_parameter") from None
-        if not where and "missing required field" in text:
-            where = text.split("`")[1] if "`" in text else ""
-        raise APIError(400, f"invalid request: {text}", param=where or None, code="invalid_type") from None
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        return decode(body, kind)
+    except APIError as e:
+        unknown = _UNKNOWN.search(e.message) if e.code == "invalid_type" else None
+        if unknown is None:
+            raise
+        name = f"{e.param}.{unknown.group(1)}" if e.param else unknown.group(1)
+        raise bad_param(name, f"`{name}` is not supported by this server", code="unsupported_parameter") from None
 
 
 def sse(event: str, data: dict) -> bytes:
