@@ -2,14 +2,22 @@
 
     python -m bench.engine_gpu --model MODEL.gguf --repeats 3 --json out.json
 
-- prefill: one 512-token prompt in one step (llama-bench pp512), tokens/s;
+MODEL: any GGUF whose architecture the GPU engine runs (Gemma 3, Llama family: workers/cupy/models.py);
+without --model, random weights of Gemma 3 270M's shapes (timing only).
+
+- prefill, GPU runner: one 512-token prompt in one forward, device time (CUDA events around the forward, inputs
+  already on the GPU), tokens/s;
+- prefill, whole engine: wall clock from handing a fresh 512-token prompt to the engine (`Engine.add`, then
+  `Engine.step` as the worker's engine thread drives it) to its first token back on the host: scheduling,
+  block allocation, host-side batch building, the eager forward and the sampler included; 512 / seconds, the
+  same unit as llama-bench pp512 (also a wall clock, but without a sampled token);
 - decode, batch 1: 128 greedy tokens after a 1-token prompt (llama-bench tg128), each step replaying the
   CUDA graph and copying the chosen id to the host (what a serving engine must do per token);
 - decode, batch 64: 64 sequences with 128-token prompts, 128 steps each (llama-batched-bench -npp 128
   -ntg 128 -npl 64, its S_TG), aggregate tokens/s;
 - the same two decode cases through the whole engine (scheduler, block manager, sampler: Python per step).
 The first run of each case is a discarded warm-up; CUDA events time the device-only prefill, wall clock
-(host synchronised every step) the decode loops.
+(host synchronised every step) the decode loops and the engine's prefill.
 """
 from __future__ import annotations
 
@@ -24,13 +32,18 @@ import numpy as np
 BS = 16
 
 
+def random_ids(rng, vocab: int, shape):
+    """Prompt token ids inside the vocabulary (Gemma's 262k or Llama's 49k), clear of its special tokens."""
+    return rng.integers(1000, min(200_000, vocab), shape)
+
+
 def runner_setup(model, kv, n_seqs: int, prompt_len: int, max_blocks: int):
     """Block tables for n_seqs sequences with disjoint blocks, and their prompts prefilled eagerly."""
     from workers.cupy.gpu.gemma3 import Workspace
 
     tables = np.arange(n_seqs * max_blocks, dtype=np.int32).reshape(n_seqs, max_blocks)
     rng = np.random.default_rng(0)
-    tok = rng.integers(1000, 200_000, (n_seqs, prompt_len)).astype(np.int32)
+    tok = random_ids(rng, model.cfg.vocab_size, (n_seqs, prompt_len)).astype(np.int32)
     pos = np.tile(np.arange(prompt_len, dtype=np.int32), n_seqs)
     rows = np.repeat(np.arange(n_seqs, dtype=np.int32), prompt_len)
     slots = (tables[rows, pos // BS].astype(np.int64) * BS + pos % BS)
@@ -76,7 +89,12 @@ def bench_decode(model, kv, graphs, n_seqs: int, prompt_len: int, steps: int, re
     return out
 
 
-def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int, sampling=None) -> list[float]:
+def sync_device() -> None:
+    cp.cuda.get_current_stream().synchronize()
+
+
+def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int, sampling=None,
+                 sync=sync_device) -> list[float]:
     """Decode tokens/s through the engine: requests are prefilled first, then the decode phase is timed.
     `sampling`: the requests' SamplingParams (default greedy)."""
     from workers.protocol import GenerateRequest, SamplingParams
@@ -86,13 +104,13 @@ def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int,
     out = []
     for r in range(repeats + 1):
         for i in range(n_seqs):
-            ids = rng.integers(1000, 200_000, prompt_len).tolist()
+            ids = random_ids(rng, engine.vocab_size, prompt_len).tolist()
             engine.add(GenerateRequest(request_id=f"{r}-{i}", prompt_ids=ids, max_tokens=steps,
                                        sampling=sampling, ignore_eos=True))
         generated = 0
         while generated < n_seqs:  # prefill steps (each sequence's first token comes from its prefill)
             generated += sum(len(o.token_ids) for o in engine.step())
-        cp.cuda.get_current_stream().synchronize()
+        sync()
         t0 = time.perf_counter()
         n = 0
         while engine.has_work():
@@ -100,6 +118,33 @@ def bench_engine(engine, n_seqs: int, prompt_len: int, steps: int, repeats: int,
         dt = time.perf_counter() - t0
         if r:
             out.append(n / dt)
+    return out
+
+
+def bench_engine_prefill(engine, n_tokens: int, repeats: int, sync=sync_device) -> list[float]:
+    """Prompt tokens/s to the first token through the engine: n_tokens / the wall seconds from `engine.add` of a
+    greedy request to the `engine.step` that returns its first token (as an int on the host), the engine idle
+    before each. Each repeat a fresh random prompt, so no prefix of it is cached; the first is a warm-up."""
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    rng = np.random.default_rng(2)
+    out = []
+    for r in range(repeats + 1):
+        assert not engine.has_work(), "the engine must be idle: its other requests would share the step"
+        ids = random_ids(rng, engine.vocab_size, n_tokens).tolist()
+        request = GenerateRequest(request_id=f"prefill-{r}", prompt_ids=ids, max_tokens=1,
+                                  sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+        sync()
+        t0 = time.perf_counter()
+        engine.add(request)
+        first = []
+        while not first:
+            if not engine.has_work():
+                raise RuntimeError(f"{request.request_id} left the engine without a token")
+            first = [o for o in engine.step() if o.request_id == request.request_id and o.token_ids]
+        dt = time.perf_counter() - t0
+        if r:
+            out.append(n_tokens / dt)
     return out
 
 
@@ -131,11 +176,13 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
             marks.append((label(*a) if callable(label) else label, e))
         setattr(obj, name, g)
 
-    for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows"):
+    # Gemma's kernels and Llama's (workers/cupy/gpu/llama.py); a name the model's kernels lack is skipped
+    names = [n for n in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "mlp_fused",
+                         "residual_norm", "rope_qkv", "silu_mul") if hasattr(k, n)]
+    for name in names:
         wrap(k, name, name)
     wrap(blas, "linear", lambda x, w, out: f"gemm {w.shape[0]}x{w.shape[1]}")
     wrap(k, "gemv", lambda mode, w, out, **kw: f"gemv{mode} {w.shape[0]}x{w.shape[1]}")
-    wrap(k, "mlp_fused", "mlp_fused")
     try:
         k.spin(40_000_000)
         e0 = cp.cuda.Event()
@@ -143,7 +190,7 @@ def profile_step(model, kv, n_seqs: int, prompt_len: int, decode: bool) -> dict:
         model.run(ws, *args, kv, BS, decode=decode)
         cp.cuda.get_current_stream().synchronize()
     finally:
-        for name in ("embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "gemv", "mlp_fused"):
+        for name in [*names, "gemv"]:
             delattr(k, name)
         delattr(blas, "linear")
     totals, prev = {}, e0
@@ -192,7 +239,8 @@ def summary(xs: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", help="GGUF file; without it, random weights of Gemma 3 270M's shapes")
+    ap.add_argument("--model", help="GGUF file of an architecture the GPU engine runs (Gemma 3, Llama family); "
+                                    "without it, random weights of Gemma 3 270M's shapes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--act", default="float16")
     ap.add_argument("--json")
@@ -200,17 +248,15 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-op device time of eager steps")
     a = ap.parse_args()
 
-    from workers.cupy.gemma3 import Gemma3Config
     from workers.cupy.gpu import create_gpu_engine
-    from workers.cupy.gpu.gemma3 import GpuGemma3
     from workers.cupy.gpu.graphs import DecodeGraphs
+    from workers.cupy.models import build_gpu_model, config_for
     from workers.cupy.weights import load_weights
     from workers.protocol.model import load_model_info
 
     if a.model:
         info = load_model_info(a.model)
         weights = load_weights(a.model)
-        cfg = Gemma3Config.from_hparams(info.hparams, info.vocab_size)
     else:  # timing only: the same shapes, random values
         from tests.gpu.test_gemma3_gpu import random_weights
 
@@ -221,14 +267,15 @@ def main() -> None:
               "gemma3.feed_forward_length": 2048, "gemma3.rope.freq_base": 1e6}
         info = ModelInfo(path="", architecture="gemma3", context_length=32768, vocab_size=262_144, bos_token_id=2,
                          eos_token_ids=(1,), add_bos=True, chat_template=None, hparams=hp)
-        cfg = Gemma3Config.from_hparams(hp, info.vocab_size)
-        weights = random_weights(cfg)
+        weights = random_weights(config_for(info))
     t0 = time.perf_counter()
-    model = GpuGemma3(cfg, weights, act=a.act, graph_sizes=(1, 64), max_model_len=1024)
+    model = build_gpu_model(info, weights, act=a.act, graph_sizes=(1, 64), max_model_len=1024)
     kv = model.kv_storage(64 * 64, BS)
     graphs = DecodeGraphs(model, kv, BS, (1, 64), 64)
     setup_s = time.perf_counter() - t0
     res = {
+        "model": a.model or "random weights, Gemma 3 270M shapes",
+        "architecture": info.architecture,
         "setup_s": setup_s,
         "prefill_512": summary(bench_prefill(model, kv, 512, a.repeats * 3)),
         "decode_b1": summary(bench_decode(model, kv, graphs, 1, 1, 128, a.repeats)),
@@ -243,21 +290,25 @@ def main() -> None:
         res["profile_prefill512"] = profile_step(model, kv, 1, 512, False)
     if not a.no_engine:
         del graphs, kv
-        kw = dict(block_size=BS, num_blocks=64 * 20, max_num_seqs=64, max_step_tokens=8192, context_length=1024)
+        kw = {"block_size": BS, "num_blocks": 64 * 20, "max_num_seqs": 64, "max_step_tokens": 8192,
+              "context_length": 1024}
         eng = create_gpu_engine(info, weights, act=a.act, **kw)
+        res["engine_prefill_512"] = summary(bench_engine_prefill(eng, 512, a.repeats * 3))
+        res["engine_prefill_512"]["first_token_ms_median"] = 512e3 / res["engine_prefill_512"]["median"]
         res["engine_decode_b1"] = summary(bench_engine(eng, 1, 1, 128, a.repeats))
         res["engine_decode_b64"] = summary(bench_engine(eng, 64, 128, 128, a.repeats))
     res["device"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+    print(f"{res['model']} ({res['architecture']})")
     for k, v in res.items():
         if isinstance(v, dict) and "median" in v:
-            print(f"{k:20s} median {v['median']:10.1f} tok/s  min {v['min']:10.1f}  max {v['max']:10.1f}  n={v['n']}")
-        elif isinstance(v, dict) or isinstance(v, float):
+            print(f"{k:20s} median {v['median']:10.1f} tok/s  min {v['min']:10.1f}  max {v['max']:10.1f}  n={v['n']}"
+                  + (f"  (first token {v['first_token_ms_median']:.2f} ms)" if "first_token_ms_median" in v else ""))
+        elif isinstance(v, (dict, float)):
             print(f"{k:20s} {v}")
     print(f"setup {setup_s:.1f} s on {res['device']}")
-
 
 if __name__ == "__main__":
     main()

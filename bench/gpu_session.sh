@@ -3,6 +3,10 @@
 # ../shared/tools/device-pack and llama.cpp was built there (bench/gpu_build_llama.sh):
 #
 #   ROUNDS=5 bash bench/gpu_session.sh          # writes $OUT/gpu_bench.json, prints the table
+#   MODEL=SmolLM2-135M-Instruct.Q4_1.gguf ROUNDS=5 bash bench/gpu_session.sh   # -> $OUT/gpu_bench_<stem>.json
+#
+# MODEL: a GGUF path, or a file name under $PULSE_DEVICE_HOME/model (default: the bundled Gemma 3 270M Q4_K_M);
+# the same file goes to Pulse's bench and to llama.cpp's. Each model keeps its own results folder.
 #
 # Protocol (METHOD.md): one discarded warm-up round, then ROUNDS rounds, each running Pulse's bench
 # (bench/engine_gpu.py: 3 repeats of every case after its own warm-up), llama-bench (pp512 / tg128, -r 3, its
@@ -10,14 +14,23 @@
 # attention on for llama.cpp. Medians and min/max over all samples.
 set -u
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
-model=$home/model/gemma-3-270m-q4_k_m.gguf
+model=${MODEL:-gemma-3-270m-q4_k_m.gguf}
+[[ $model == */* ]] || model=$home/model/$model
+[[ -f $model ]] || { echo "no GGUF at $model" >&2; exit 1; }
+stem=$(basename "$model" .gguf)
 bin=${LLAMA_BIN:-/root/lb/build/bin}
 rounds=${ROUNDS:-5}
-res=/tmp/pulse-bench
+res=/tmp/pulse-bench/$stem
+out_json=${OUT:-/tmp}/gpu_bench${MODEL:+_$stem}.json
 mkdir -p "$res"
+rm -f "$res"/pulse_* "$res"/lb_* "$res"/lbb_*  # a failed case must not be summarised from an earlier call's files
+echo "model: $model"
 export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
 
-for i in $(seq 1 150); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+# wait for a build bench/gpu_build_llama.sh started (up to 10 min), unless both benches are already there
+for i in $(seq 1 150); do
+  [[ -f /root/lb/build.rc || ( -x $bin/llama-bench && -x $bin/llama-batched-bench ) ]] && break; sleep 4
+done
 echo "llama.cpp build rc: $(cat /root/lb/build.rc 2>/dev/null || echo 'not finished')"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
@@ -36,4 +49,4 @@ for r in $(seq 0 "$rounds"); do
 done
 kill "$smi"
 echo "SM clock samples (MHz: count):"; cut -d, -f2 "$res/smi.csv" | sort | uniq -c | sort -rn | head -5
-python3 bench/gpu_summary.py "$res" "$rounds" "${OUT:-/tmp}/gpu_bench.json"
+python3 bench/gpu_summary.py "$res" "$rounds" "$out_json"

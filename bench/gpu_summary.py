@@ -50,11 +50,14 @@ def main() -> None:
     pulse: dict[str, list[float]] = {}
     lb: dict[str, list[float]] = {}
     lbb: dict[int, list[float]] = {}
+    models: set[str] = set()
     for r in range(1, rounds + 1):  # round 0: warm-up, discarded
         try:
             p = json.loads((res / f"pulse_{r}.json").read_text())
         except (OSError, ValueError):
             p = {}
+        if "model" in p:
+            models.add(p["model"])
         for k, v in p.items():
             if isinstance(v, dict) and "samples" in v:
                 pulse.setdefault(k, []).extend(v["samples"])
@@ -62,22 +65,24 @@ def main() -> None:
             lb.setdefault(k, []).extend(v)
         for pl, v in batched_bench(res / f"lbb_{r}.jsonl").items():
             lbb.setdefault(pl, []).append(v)
-    summary = {"pulse": {k: stats(v) for k, v in pulse.items()},
+    summary = {"model": sorted(models), "pulse": {k: stats(v) for k, v in pulse.items()},
                "llama_bench": {k: stats(v) for k, v in lb.items()},
                "llama_batched_bench_tg": {str(k): stats(v) for k, v in lbb.items()}}
     rows = [
-        ("prefill 512 tok", "prefill_512", lb.get("pp512"), 1.0),
+        ("prefill 512 tok (runner, device time)", "prefill_512", lb.get("pp512"), 1.0),
+        ("prefill 512 tok (engine, wall to 1st token)", "engine_prefill_512", lb.get("pp512"), 1.0),
         ("decode batch 1 (runner)", "decode_b1", lb.get("tg128"), 2.0),
         ("decode batch 1 (engine)", "engine_decode_b1", lb.get("tg128"), 2.0),
         ("decode 64 seqs aggregate (runner)", "decode_b64", lbb.get(64), 1.5),
         ("decode 64 seqs aggregate (engine)", "engine_decode_b64", lbb.get(64), 1.5),
     ]
+    print("model:", ", ".join(sorted(models)) or "unknown (no Pulse result read)")
     table = []
     for name, key, ref, goal in rows:
         p, q = stats(pulse.get(key, [])), stats(ref or [])
         ratio = p["median"] / q["median"] if q["n"] and p["n"] else float("nan")
         table.append({"case": name, "pulse": p, "llama_cpp": q, "ratio": ratio, "goal": goal})
-        print(f"{name:36s} pulse {p['median']:9.0f} [{p['min']:.0f}-{p['max']:.0f}] n={p['n']:2d}  "
+        print(f"{name:44s} pulse {p['median']:9.0f} [{p['min']:.0f}-{p['max']:.0f}] n={p['n']:2d}  "
               f"llama.cpp {q['median']:9.0f} [{q['min']:.0f}-{q['max']:.0f}] n={q['n']:2d}  "
               f"ratio {ratio:5.2f} (goal {goal})")
     summary["table"] = table
