@@ -1,7 +1,8 @@
 """The chat core every generation endpoint runs: request -> prompt ids -> a worker -> tokens back.
 
 Hot path. The first token is flushed at once; a worker that fails before the first byte is retried
-elsewhere; after it, the client gets one in-band SSE error event and the stream closes.
+elsewhere; one that fails after it hands the generation to another worker, which continues it
+(gateway/migration.py); only when none can does the client get one in-band SSE error event.
 
 Each API (chat and text completions here; the Responses and Messages adapters elsewhere) is a `prepare`
 function that turns its body into a `Call` (a GenerateRequest plus that protocol's `Events` writer);
@@ -14,7 +15,6 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
@@ -25,6 +25,7 @@ from gateway import tools as agent_tools
 from gateway.auth import KeyAuth
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_param, error_body
+from gateway.migration import Relay
 from gateway.models import ModelCatalog, ServedModel
 from gateway.openai_types import (
     ChatRequest,
@@ -35,7 +36,6 @@ from gateway.openai_types import (
     validate_chat,
     validate_completion,
 )
-from gateway.pool import WorkerState
 from gateway.responses import Shaper
 from policy.config import PulseConfig
 from workers.protocol import Chunk, GenerateRequest, SamplingParams, TokenLogprob, Usage
@@ -247,16 +247,15 @@ class CompletionService:
                 rm = self.metrics.request(call.model, start, api=api)
                 if gen.session_id:  # another replica may have routed its last turn: see where it went
                     await self.dispatcher.pool.fresh_blocks()
-                ticket = await self.dispatcher.open(gen)
-                worker, it, first = ticket.worker, ticket.chunks, ticket.first
-                span.set_attribute(tm.PULSE_WORKER, worker.worker_id)
+                relay = Relay(self.dispatcher, gen, await self.dispatcher.open(gen), self.metrics)
+                span.set_attribute(tm.PULSE_WORKER, relay.first_worker.worker_id)
                 try:
                     if call.stream:
-                        return await self._stream(request, call.events, worker, it, first, rm, span)
-                    return await self._whole(call.events, worker, it, first, rm, span)
+                        return await self._stream(request, call.events, relay, rm, span)
+                    return await self._whole(call.events, relay, rm, span)
                 finally:
                     completion_tokens = rm.tokens
-                    self.dispatcher.close(ticket)
+                    relay.close()
             except APIError as e:
                 if rm is not None:
                     rm.finish(e.status)
@@ -270,17 +269,12 @@ class CompletionService:
                 if grant is not None:
                     await self.auth.release(grant, completion_tokens)
 
-    async def _batches(self, it: AsyncIterator[list[Chunk]], first: list[Chunk]) -> AsyncIterator[list[Chunk]]:
-        yield first
-        async for batch in it:
-            yield batch
-
-    async def _whole(self, events: Events, worker: WorkerState, it, first: list[Chunk], rm, span) -> web.Response:
+    async def _whole(self, events: Events, relay: Relay, rm, span) -> web.Response:
         parts: list[str] = []
         lps: list[TokenLogprob] | None = None
         final: Chunk | None = None
         try:
-            async for batch in self._batches(it, first):
+            async for batch in relay.batches():
                 for c in batch:
                     rm.chunk(len(c.token_ids))
                     parts.append(c.text)
@@ -292,27 +286,26 @@ class CompletionService:
                 if final is not None:
                     break
         except Exception as e:
-            raise APIError(503, f"worker {worker.worker_id} failed mid-generation: {e}", code="worker_failed") from None
+            raise APIError(503, f"generation failed mid-way: {e}", code="worker_failed") from None
         if final is None or final.finish_reason == "error":
             msg = final.error if final and final.error else "the worker stream ended without a result"
-            raise APIError(503, f"generation failed on worker {worker.worker_id}: {msg}", code="worker_failed")
+            raise APIError(503, f"generation failed: {msg}", code="worker_failed")
         usage = final.usage or Usage()
         body = await events.whole("".join(parts), _finish(final), usage, lps)
         rm.finish(200, usage)
         tm.set_usage_attributes(span, usage, _finish(final))
         return web.Response(body=_json.encode(body), content_type="application/json",
-                            headers={"x-pulse-worker": worker.worker_id})
+                            headers={"x-pulse-worker": relay.first_worker.worker_id})
 
-    async def _stream(self, request: web.Request, events: Events, worker: WorkerState, it, first: list[Chunk],
-                      rm, span) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, events: Events, relay: Relay, rm, span) -> web.StreamResponse:
         """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
         the first batch goes out as soon as it arrives."""
         out = SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                   "x-pulse-worker": worker.worker_id})
+                                   "x-pulse-worker": relay.first_worker.worker_id})
         await out.prepare(request)
         is_first = True
         try:
-            async for batch in self._batches(it, first):
+            async for batch in relay.batches():
                 rm.chunk(sum(len(c.token_ids) for c in batch))
                 pending: list[bytes] = []
                 for c in batch:
@@ -338,9 +331,9 @@ class CompletionService:
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: closing the upstream (finally in respond) cancels the generation
         except Exception as e:  # after the first byte: one in-band error event, then close
-            log.warning("stream from %s failed: %s", worker.worker_id, e)
+            log.warning("stream %s failed: %s", relay.gen.request_id, e)
             rm.finish("stream_error")
-            await _sse_error(out, events, f"worker {worker.worker_id} failed mid-stream")
+            await _sse_error(out, events, "the generation failed mid-stream")
         return out
 
 

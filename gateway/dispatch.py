@@ -2,7 +2,8 @@
 
     dispatcher = Dispatcher(pool, router, gate, metrics, tracer, context_length=..., index=...)
     ticket = await dispatcher.open(gen)        # raises APIError (429 / 503 / 4xx) when it cannot
-    ... relay ticket.first, then iter ticket.chunks ...
+    ... relay ticket.first, then iter ticket.chunks (gateway/migration.py's Relay does, and moves a
+        stream whose worker fails mid-way to another one) ...
     dispatcher.close(ticket)                   # always, in finally
 
 Only the workers holding the request's model (GenerateRequest.model) are candidates.
@@ -46,8 +47,9 @@ class Dispatcher:
         self.index = index  # in-process index: the gateway records where it sent each prompt at once
         self.max_retries = max_retries
 
-    async def open(self, gen: GenerateRequest) -> Ticket:
-        tried: set[str] = set()
+    async def open(self, gen: GenerateRequest, exclude: set[str] = frozenset()) -> Ticket:
+        """`exclude`: worker ids not to send it to (a migrated request's failed workers: gateway/migration.py)."""
+        tried: set[str] = set(exclude)
         last: BackendError | None = None
         for _ in range(self.max_retries + 1):
             routed = await self._admit(gen, tried)

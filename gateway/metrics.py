@@ -87,6 +87,9 @@ class GatewayMetrics:
         self.prefix_hit_ratio = Histogram("pulse_prefix_hit_ratio",
                                           "Per request: prompt tokens found in the prefix index / prompt tokens.",
                                           buckets=RATIO_BUCKETS, registry=r)
+        self.migrations = Counter("pulse_stream_migrations",
+                                  "Streams whose worker failed mid-generation, by outcome: resumed on another "
+                                  "worker, or failed (the client got one error event).", ["outcome"], registry=r)
         self.workers = WorkerStatsCollector(worker_snapshots if worker_snapshots is not None else {})
         r.register(self.workers)
 
@@ -123,6 +126,10 @@ class GatewayMetrics:
         if child is None:
             child = self._rejections[reason] = self.rejections.labels(reason=reason)
         child.inc()
+
+    def migrated(self, outcome: str) -> None:
+        """One mid-stream worker failure: `outcome` "resumed" (on another worker) or "failed"."""
+        self.migrations.labels(outcome=outcome).inc()
 
     def routed(self, seconds: float, cpu_seconds: float | None = None) -> None:
         """`seconds`: wall time of the route step (lookup included); `cpu_seconds`: the decision's own CPU."""

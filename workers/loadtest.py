@@ -34,7 +34,7 @@ class LoadTestBackend(Backend):
         try:
             n = min(self.cfg.tokens, request.max_tokens)
             gap = 1.0 / self.cfg.tokens_per_s if self.cfg.tokens_per_s > 0 else 0.0
-            for i in range(n):
+            for i in range(len(request.resume_ids), n):  # a migrated request continues where it was
                 if request.request_id in self._cancelled:
                     break
                 if gap:

@@ -28,9 +28,9 @@ class RequestLimits:
 
     @property
     def max_body_bytes(self) -> int:
-        """The largest request body that can hold a within-bounds request: prompt and prediction ids,
-        the grammar, stop strings, plus 64 KiB for the rest."""
-        ids = 2 * self.context_length * MAX_ID_BYTES
+        """The largest request body that can hold a within-bounds request: prompt, prediction and resume
+        ids, the grammar, stop strings, plus 64 KiB for the rest."""
+        ids = 3 * self.context_length * MAX_ID_BYTES
         stops = self.max_stop_strings * self.max_stop_length * 6  # a JSON-escaped character is at most 6 bytes
         return ids + 6 * MAX_GRAMMAR_BYTES + stops + 64 * 1024
 
@@ -55,6 +55,8 @@ class RequestLimits:
             return f"grammar is over {MAX_GRAMMAR_BYTES} bytes"
         if req.max_draft_tokens is not None and req.max_draft_tokens < 0:
             return "max_draft_tokens must be >= 0"
+        if len(req.resume_ids) >= req.max_tokens:
+            return f"resume_ids has {len(req.resume_ids)} tokens; fewer than max_tokens ({req.max_tokens}) are accepted"
         return None
 
     def _stops(self, req: GenerateRequest) -> str | None:
@@ -69,7 +71,7 @@ class RequestLimits:
     def _ids(self, req: GenerateRequest) -> str | None:
         vocab = self.vocab_size
         for name, ids in (("prompt_ids", req.prompt_ids), ("prediction_ids", req.prediction_ids or ()),
-                          ("stop_token_ids", req.stop_token_ids)):
+                          ("stop_token_ids", req.stop_token_ids), ("resume_ids", req.resume_ids)):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
                 return f"{name} holds a token id outside [0, {vocab})"
         return None

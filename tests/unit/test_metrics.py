@@ -51,6 +51,7 @@ def traffic(m: GatewayMetrics) -> None:
                         accepted_tokens=2), now=0.1)
     m.record_request("gemma-3-270m", 429, 0.001)
     m.rejected("quota")
+    m.migrated("resumed")
     m.routed(4e-5)
     m.prefix_lookup(3e-4, matched_tokens=32, prompt_tokens=40)
     m.queue_depth.inc()

@@ -233,11 +233,15 @@ class EngineBackend(Backend):
         if request.grammar is not None:  # compile off the engine thread (cached per schema) so steps never wait
             await _prepare_grammar(self._engine, request.grammar)
         q: asyncio.Queue = asyncio.Queue()
+        stream = _ChunkStream(request, q, self._tokenizer, self._inbox)
+        if stream.stop.stopped:  # the resumed tokens already end in a stop string: nothing left to generate
+            yield stream.stopped_on_resume()
+            return
         self._streams[request.request_id] = q
         self._inbox.put(("add", request))
         done = False
         try:
-            async for chunk in _ChunkStream(request, q, self._tokenizer, self._inbox).chunks():
+            async for chunk in stream.chunks():
                 done = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -257,6 +261,20 @@ class _ChunkStream:
         self.pending_ids: list[int] = []
         self.generated: list[int] = []  # every token so far, for the prediction's usage
         self.pending_lp: list = []
+        for token in request.resume_ids:  # a migrated generation: rebuild the text state its first worker had
+            self._take_resumed(token)
+
+    def _take_resumed(self, token: int) -> None:
+        """One already-delivered token through the detokenizer and stop matcher, token by token as the first
+        worker pushed them, so a stop string straddling the hand-over still matches and held-back text is
+        released later; what they emit now was already sent."""
+        self.generated.append(token)
+        self.stop.push(self.detok.push([token]))
+
+    def stopped_on_resume(self) -> Chunk:
+        n = len(self.request.resume_ids)
+        usage = Usage(prompt_tokens=len(self.request.prompt_ids), completion_tokens=n)
+        return self._chunk("", "stop", usage)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:

@@ -56,19 +56,23 @@ class Engine:
     def add(self, request: GenerateRequest) -> Sequence:
         """Queue a request; ValueError (a client error) when it cannot be served at all."""
         prompt = list(request.prompt_ids)
+        resume = list(request.resume_ids)  # a migrated generation's tokens so far: prefilled, counted as output
         if not prompt:
             raise ValueError("the prompt is empty")
         if request.request_id in self.seqs:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+        if min(prompt + resume) < 0 or max(prompt + resume) >= self.vocab_size:
             raise ValueError("prompt token id out of the vocabulary's range")
+        if len(resume) >= request.max_tokens:
+            raise ValueError("resume_ids must be shorter than max_tokens")
         room = self.capacity_tokens - len(prompt)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens; this engine holds at most "
                              f"{self.capacity_tokens - 1} prompt tokens")
         stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
         seq = Sequence(
-            request_id=request.request_id, token_ids=prompt, max_tokens=min(request.max_tokens, room),
+            request_id=request.request_id, token_ids=prompt + resume, num_prompt_tokens=len(prompt),
+            max_tokens=min(request.max_tokens, room),
             sampling=request.sampling, stop_token_ids=frozenset(stop_ids), logprobs=request.logprobs,
             seed=request.sampling.seed if request.sampling.seed is not None else int(self.rng.integers(1 << 63)),
         )
@@ -76,6 +80,8 @@ class Engine:
             if self.constraints is None:
                 raise ValueError("this engine does not serve constrained (grammar) requests")
             self.constraints.attach(seq.request_id, request.grammar)  # GrammarError (a ValueError) if bad
+            for token in resume:  # the grammar's state after the tokens the first worker produced
+                self.constraints.advance([seq.request_id], [token])
         if self.speculator is not None:
             self.speculator.attach(seq, request)
         self.seqs[seq.request_id] = seq
@@ -171,7 +177,7 @@ class Engine:
     def output_for(self, seq: Sequence, tokens: list[int], logprobs) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id, token_ids=tokens, logprobs=logprobs, finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(seq.num_cached, 0),
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=min(max(seq.num_cached, 0), seq.num_prompt_tokens),
             completion_tokens=seq.num_output, drafted_tokens=seq.num_drafted, accepted_tokens=seq.num_accepted,
         )
 

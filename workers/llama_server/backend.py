@@ -13,6 +13,7 @@ Each request goes to llama-server's native /completion endpoint as the gateway's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from workers.llama_server import api
 from workers.llama_server.binary import find_llama_server
@@ -96,7 +98,28 @@ class LlamaServerBackend(Backend):
 
     # -- generation ---------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        return self._resume(request) if request.resume_ids else self._generate(request)
+
+    async def _resume(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """A migrated generation: llama-server continues from prompt + resumed tokens, and usage counts as
+        one generation. llama-server cannot start a grammar mid-way, and its seeded sampler draws from a
+        stateful generator, so a seeded sampled continuation differs from an undisturbed run (greedy is
+        the same); stop strings see only text generated here."""
+        if request.grammar is not None:
+            raise BackendError("llama-server cannot resume a grammar-constrained generation", 400, "cannot_resume")
+        done = len(request.resume_ids)
+        inner = msgspec.structs.replace(request, prompt_ids=request.prompt_ids + request.resume_ids,
+                                        max_tokens=request.max_tokens - done, resume_ids=[])
+        async with contextlib.aclosing(self._generate(inner)) as chunks:  # closing it early cancels llama-server's task
+            async for chunk in chunks:
+                if chunk.usage is not None:
+                    chunk.usage.prompt_tokens = len(request.prompt_ids)
+                    chunk.usage.completion_tokens += done
+                    chunk.usage.cached_tokens = min(chunk.usage.cached_tokens, len(request.prompt_ids))
+                yield chunk
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         if self._closed or not self.lanes:
             raise BackendError("llama-server backend is not running", 503)
         if request.request_id in self._flights:

@@ -41,6 +41,11 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     tenant: str = ""  # who it is charged to in the admission queue's fair order: the key's id (public)
     trace_context: dict[str, str] = {}  # W3C traceparent/tracestate from the gateway's span
     model: str = ""  # the served model's name: only its workers are sent the request
+    # A migrated generation (its first worker died mid-stream): the tokens it had already produced and
+    # delivered. The worker continues after prompt_ids + resume_ids as if it had generated them itself:
+    # max_tokens, usage, the sampler's token index, stop strings and a grammar all count them, and their
+    # text is not sent again.
+    resume_ids: list[int] = []
 
 
 class TokenLogprob(msgspec.Struct, omit_defaults=True):

@@ -1,0 +1,125 @@
+"""One generation's chunks across workers: a worker that fails mid-stream hands the request on.
+
+    relay = Relay(dispatcher, gen, ticket, metrics)
+    async for batch in relay.batches(): ...   # ends with a final chunk (finish_reason "error" only when
+                                              # the generation could not go on anywhere)
+    relay.close()                             # always, in finally
+
+Before the first chunk the dispatcher retries elsewhere (gateway/dispatch.py). After it, a broken worker
+stream (connection reset, EOF without a final chunk, an unreadable line, or an in-band error chunk such
+as a draining worker's engine closing) becomes a continuation: the same GenerateRequest with
+`resume_ids` = the tokens already relayed to the client, opened on a worker not tried yet. The worker
+continues as if it had produced those tokens itself (sampler index, stop strings, grammar, max_tokens and
+usage count them; workers/protocol), so the client sees one stream, and a greedy or seeded one is the
+same text an undisturbed run gives. At most `max_migrations` hand-overs per request; when none is
+possible the last batch is one error chunk, which the protocol writes as one in-band error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+import msgspec
+
+from gateway.dispatch import Dispatcher, Ticket
+from gateway.errors import APIError
+from gateway.pool import WorkerState
+from workers.protocol import Chunk, GenerateRequest, Usage
+
+log = logging.getLogger("pulse.gateway.migration")
+
+# what a dead or unreachable worker's stream raises while it is read (ValueError: a torn JSON line)
+BROKEN = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+
+
+class Relay:
+    def __init__(self, dispatcher: Dispatcher, gen: GenerateRequest, ticket: Ticket, metrics, *,
+                 max_migrations: int = 2):
+        self.dispatcher, self.gen, self.metrics = dispatcher, gen, metrics
+        self.ticket: Ticket | None = ticket
+        self.first_worker: WorkerState = ticket.worker  # the one the response headers name
+        self.max_migrations = max_migrations
+        self.migrations = 0
+        self.delivered: list[int] = []  # token ids of every chunk handed to the caller so far
+        self._tried = {ticket.worker.worker_id}
+
+    def close(self) -> None:
+        if self.ticket is not None:
+            self.dispatcher.close(self.ticket)
+            self.ticket = None
+
+    async def batches(self) -> AsyncIterator[list[Chunk]]:
+        batch, chunks = self.ticket.first, self.ticket.chunks
+        while True:
+            good, broken = _until_end(batch)
+            if good:
+                yield good
+                for c in good:
+                    self.delivered += c.token_ids
+                if good[-1].finish_reason is not None:
+                    return
+            if broken is None:
+                try:
+                    batch = await chunks.__anext__()
+                    continue
+                except StopAsyncIteration:
+                    broken = "the worker stream ended without a result"
+                except BROKEN as e:
+                    broken = f"{type(e).__name__}: {e}"
+                    self.dispatcher.pool.record_failure(self.ticket.worker)
+            failed = self.ticket.worker.worker_id
+            resumed = await self._hand_over(broken)
+            if isinstance(resumed, Chunk):
+                yield [resumed]
+                return
+            batch, chunks = resumed
+            log.info("stream %s moved from %s to %s after %d tokens (%s)", self.gen.request_id, failed,
+                     self.ticket.worker.worker_id, len(self.delivered), broken)
+
+    async def _hand_over(self, broken: str):
+        """Open the continuation elsewhere: (its first batch, its batch iterator), or the final Chunk to end
+        the stream with when it cannot go on."""
+        failed = self.ticket.worker.worker_id
+        await _quietly_close(self.ticket.chunks)
+        self.close()
+        if len(self.delivered) >= self.gen.max_tokens:  # every token arrived, only the final chunk was lost
+            return Chunk(finish_reason="length", usage=Usage(prompt_tokens=len(self.gen.prompt_ids),
+                                                             completion_tokens=len(self.delivered)))
+        why = f"worker {failed} failed mid-stream ({broken})"
+        if self.migrations >= self.max_migrations:
+            return self._failed(f"{why}; {self.migrations} hand-overs already made")
+        self.migrations += 1
+        follow_on = msgspec.structs.replace(self.gen, request_id=f"{self.gen.request_id}.m{self.migrations}",
+                                            resume_ids=list(self.delivered))
+        try:
+            self.ticket = await self.dispatcher.open(follow_on, exclude=self._tried)
+        except APIError as e:
+            return self._failed(f"{why}; no other worker could continue it: {e.message}")
+        self._tried.add(self.ticket.worker.worker_id)
+        self.metrics.migrated("resumed")
+        return self.ticket.first, self.ticket.chunks
+
+    def _failed(self, message: str) -> Chunk:
+        log.warning("stream %s lost: %s", self.gen.request_id, message)
+        self.metrics.migrated("failed")
+        return Chunk(finish_reason="error", error=message)
+
+
+def _until_end(batch: list[Chunk]) -> tuple[list[Chunk], str | None]:
+    """The chunks of `batch` up to its final one (included), and the error of an in-band error chunk
+    (which is left out: the generation goes on elsewhere)."""
+    for i, c in enumerate(batch):
+        if c.finish_reason == "error":
+            return batch[:i], c.error or "generation failed"
+        if c.finish_reason is not None:
+            return batch[: i + 1], None
+    return batch, None
+
+
+async def _quietly_close(chunks) -> None:
+    try:
+        await chunks.aclose()
+    except Exception:  # the stream is broken already; closing it is only tidying
+        pass
