@@ -13,6 +13,13 @@ Reusing KV is different: a block's K/V depend on every token before it, so the e
 only when its `chain_key` matches too: BLAKE2b-128 over the parent's key and the block's tokens, so equal
 keys mean the whole prefix is equal (a forged or chance XXH3 collision cannot attach another prefix's KV).
 It costs one more C call per block, on the engine only (a few us a block, against the block's prefill).
+
+Both chains start from the model's ChainRoot (`chain_root(identity)`, identity: the GGUF's content digest,
+workers.protocol.model), not from zero: the same prompt ids under two models (two fine-tunes sharing a
+tokenizer) name different blocks, so the prefix index never lists one model's blocks for the other's prompt
+and no engine or checkpoint store can attach another model's KV. Seeding costs nothing per block: the root is
+only the first block's parent. The gateway takes the root hash from the worker's WorkerInfo.prefix_seed, so
+router and worker agree on it by construction.
 """
 from __future__ import annotations
 
@@ -21,11 +28,30 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
-ROOT_HASH = 0
+ROOT_HASH = 0  # the root of a chain with no model identity (tests, the load-test backend)
 ROOT_KEY = bytes(16)
+
+
+class ChainRoot(NamedTuple):
+    """The first block's parent in both chains: `hash` for block_hash, `key` for chain_key."""
+
+    hash: int = ROOT_HASH
+    key: bytes = ROOT_KEY
+
+
+def chain_root(identity: str) -> ChainRoot:
+    """The root of a model's chains, from its identity ("" : the unseeded ROOT_HASH / ROOT_KEY).
+
+    One BLAKE2b-256 of the identity: its first 8 bytes (63 bits, like every block hash) seed the routing
+    chain, the next 16 the KV-reuse chain."""
+    if not identity:
+        return ChainRoot()
+    d = hashlib.blake2b(identity.encode(), digest_size=32, person=b"pulse-chain").digest()
+    return ChainRoot(int.from_bytes(d[:8], "little") >> 1, d[8:24])
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:

@@ -5,7 +5,8 @@
     result.worker, result.reason, result.cached_tokens, result.index_ok, result.decision
 
 Everything here is glue (no policy): hash the prompt's full blocks (cache.hashing.chain_hashes, the
-definition the engine uses; per x-session-id only the blocks new since its last prompt, SessionHashes),
+definition the engine uses, from the root the candidate workers' model seeds it with, WorkerInfo.prefix_seed;
+per x-session-id only the blocks new since its last prompt, SessionHashes),
 ask the index once, build a `WorkerLoad` per worker from its last stats
 and this gateway's fresher counts (in flight there, uncached prompt tokens waiting for their prefill there and
 on the other workers of its device), remember which worker each `x-session-id` went to (bounded LRU),
@@ -103,8 +104,10 @@ class PrefixRouter:
         if self.index is None or not workers:
             return {}, True, None, 0.0
         block_size = workers[0].info.block_size  # one block size per deployment (EngineConfig.block_size)
+        # the candidates hold the request's model (dispatch.holds), so they share its chain root
+        root = workers[0].info.prefix_seed
         c0 = time.thread_time()
-        hashes = self.hashes.chain(session, prompt_ids, block_size)
+        hashes = self.hashes.chain(session, prompt_ids, block_size, root)
         cpu_s = time.thread_time() - c0
         if not hashes:
             return {}, True, hashes, cpu_s
@@ -177,7 +180,7 @@ class SessionHashes:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        # session -> (block size, covered token bytes, hashes, session): the id is in the value so that
+        # session -> ((block size, chain root), covered token bytes, hashes, session): the id is in the value so that
         # `entry_bytes` (cachetools sizes values only) counts it
         self._entries: cachetools.LRUCache = cachetools.LRUCache(maxsize=max(1, max_bytes), getsizeof=entry_bytes)
         self.reused_blocks = 0  # for metrics and tests
@@ -189,19 +192,21 @@ class SessionHashes:
     def bytes(self) -> int:
         return int(self._entries.currsize)
 
-    def chain(self, session: str | None, ids: list[int], block_size: int) -> list[int]:
+    def chain(self, session: str | None, ids: list[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
+        """The chain hashes of `ids`' full blocks from `root` (the model's chain root hash)."""
         if not session or self.max_bytes <= 0:
-            return chain_hashes(ids, block_size)
+            return chain_hashes(ids, block_size, root)
         raw = pack_tokens(ids)  # the gateway already checked ids are 32-bit non-negative
-        hashes = self._reuse(session, raw, block_size)
+        shape = (block_size, root)  # a session that moves to another model starts its chain afresh
+        hashes = self._reuse(session, raw, shape)
         done = 4 * len(hashes) * block_size
-        hashes += chain_hashes_packed(raw[done:], block_size, hashes[-1] if hashes else ROOT_HASH)
-        self._store(session, block_size, raw[: len(hashes) * block_size * 4], hashes)
+        hashes += chain_hashes_packed(raw[done:], block_size, hashes[-1] if hashes else root)
+        self._store(session, shape, raw[: len(hashes) * block_size * 4], hashes)
         return list(hashes)
 
-    def _reuse(self, session: str, raw: bytes, block_size: int) -> list[int]:
+    def _reuse(self, session: str, raw: bytes, shape: tuple[int, int]) -> list[int]:
         entry = self._entries.get(session)
-        if entry is None or entry[0] != block_size:
+        if entry is None or entry[0] != shape:
             return []
         _, covered, hashes, _ = entry
         if raw.startswith(covered):
@@ -209,7 +214,7 @@ class SessionHashes:
             return list(hashes)
         # An edit (or a shorter prompt): reuse the blocks before the first differing one, found by a
         # binary search of C-level prefix compares.
-        step = 4 * block_size
+        step = 4 * shape[0]
         lo, hi = 0, min(len(raw), len(covered)) // step
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -221,14 +226,14 @@ class SessionHashes:
         self.reused_blocks += keep
         return list(hashes[:keep])
 
-    def _store(self, session: str, block_size: int, covered: bytes, hashes: list[int]) -> None:
+    def _store(self, session: str, shape: tuple[int, int], covered: bytes, hashes: list[int]) -> None:
         self._entries.pop(session, None)
-        entry = (block_size, covered, tuple(hashes), session)
+        entry = (shape, covered, tuple(hashes), session)
         if entry_bytes(entry) <= self.max_bytes:  # one larger than the whole cache is not kept
             self._entries[session] = entry
 
 
-ENTRY_OVERHEAD = 256  # the LRU's node and key slot, the tuple, the bytes and list headers (measured ~250)
+ENTRY_OVERHEAD = 320  # the LRU's node and key slot, the tuples, the root, the bytes and list headers (measured ~315)
 
 
 def entry_bytes(entry: tuple) -> int:

@@ -116,7 +116,7 @@ class WorkerActor:
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
                                     model=self.config.model.name,
                                     node_id=_node_id(), device=device_name, device_id=device_id(kind),
-                                    block_size=stats.block_size,
+                                    block_size=stats.block_size, prefix_seed=model.chain_root.hash,
                                     context_length=ctx, secret=self.server.secret)
             log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
             return self.info_
@@ -171,6 +171,8 @@ def _node_id() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # run outside Ray (a test, by hand): asking would start a Ray instance
+            return ""
         return ray.get_runtime_context().get_node_id()
     except Exception:
         return ""

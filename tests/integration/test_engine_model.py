@@ -6,6 +6,7 @@ import pytest
 from cache.hashing import chain_hashes
 from tests.integration.engine_helpers import PROMPTS, encode, make_engine, run
 from workers.protocol import SamplingParams
+from workers.protocol.model import load_model_info
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,9 @@ def test_prefix_cache_hit_reports_cached_tokens_and_changes_nothing():
     (cold,), (cold_out,) = run(engine, [prompt], 8, tag="cold")
     assert cold_out.cached_tokens == 0
     added = [h for e in events if e.kind == "added" for h in e.hashes]
-    assert added[: len(prompt) // 16] == chain_hashes(prompt, 16)  # the router's hashes, for the index
+    root = engine.blocks.root.hash  # the model's chain root: the router hashes from it too
+    assert root == load_model_info(None).chain_root.hash != 0
+    assert added[: len(prompt) // 16] == chain_hashes(prompt, 16, root)  # the router's hashes, for the index
     (warm,), (warm_out,) = run(engine, [prompt], 8, tag="warm")
     assert warm == cold
     assert warm_out.cached_tokens == (len(prompt) - 1) // 16 * 16

@@ -46,9 +46,10 @@ async def test_checkpoint_restored_after_its_slot_was_reused_and_lru_deletion(tm
         assert ck.restores == 1 and ck.saves == 2  # B saved before A was restored over it
         assert usage.cached_tokens >= len(A) - 1, usage  # llama-server reused the restored prompt
         await pub.flush()
-        a_hashes = chain_hashes(A, bs)
+        root = backend.model.chain_root.hash  # checkpoint files are named by chains from the model's root
+        a_hashes = chain_hashes(A, bs, root)
         assert await index.longest_prefix(a_hashes, tiers=["checkpoint"]) == {"t": len(a_hashes)}
-        b_hashes = chain_hashes(B, bs)
+        b_hashes = chain_hashes(B, bs, root)
         assert await index.longest_prefix(b_hashes, tiers=["checkpoint"]) == {"t": len(b_hashes)}
         assert await index.longest_prefix(b_hashes, tiers=["gpu"]) == {}  # the slot no longer holds B
 
@@ -56,7 +57,7 @@ async def test_checkpoint_restored_after_its_slot_was_reused_and_lru_deletion(tm
         # recently used one (B's; A's was used by the restore) is deleted.
         await collect(backend, request("c1", C, max_tokens=4))
         assert ck.saves == 3 and ck.store.deleted == 1 and len(files(ck_dir / "t")) == 2
-        assert checkpoint_name(chain_hashes(B, bs)[-1]) not in files(ck_dir / "t")
+        assert checkpoint_name(chain_hashes(B, bs, root)[-1]) not in files(ck_dir / "t")
         await pub.flush()
         assert await index.longest_prefix(b_hashes, tiers=["checkpoint"]) == {}
         assert await index.longest_prefix(a_hashes, tiers=["checkpoint"]) == {"t": len(a_hashes)}

@@ -136,3 +136,18 @@ async def test_live_conversations_are_counted_per_worker_and_expire():
     await asyncio.sleep(0.35)
     await router.choose(workers, gen(list(range(7000, 7050)), "late"))
     assert router.live_sessions() == {"b": 1}
+
+
+async def test_the_prompt_is_hashed_from_the_candidates_model_root():
+    """Two models (seeds 11 and 22) hold the same prompt ids: each model's lookup finds only its own
+    workers' blocks, and a session that moves to the other model does not reuse the first one's hashes."""
+    index = MemoryPrefixIndex()
+    router = PrefixRouter(index, RoutingConfig())
+    a, b = worker("a"), worker("b")
+    a.info.prefix_seed, b.info.prefix_seed = 11, 22
+    await index.publish("a", chain_hashes(PROMPT[:3200], 16, 11))
+    r = await router.choose([a], gen(PROMPT, "s"))
+    assert (r.cached_tokens, r.hashes) == (3200, chain_hashes(PROMPT, 16, 11))
+    r = await router.choose([b], gen(PROMPT, "s"))
+    assert (r.cached_tokens, r.hashes) == (0, chain_hashes(PROMPT, 16, 22))
+    assert router.hashes.reused_blocks == 0

@@ -47,3 +47,15 @@ def test_packed_chain_continues_from_any_block(tokens, block, cut):
     k = min(cut, len(whole))
     parent = whole[k - 1] if k else ROOT_HASH
     assert whole[:k] + chain_hashes_packed(pack_tokens(tokens)[4 * k * block:], block, parent) == whole
+
+
+def test_a_model_identity_seeds_both_chains_so_two_models_never_share_a_block():
+    from cache.hashing import ROOT_KEY, ChainRoot, chain_key, chain_root
+
+    assert chain_root("") == ChainRoot(ROOT_HASH, ROOT_KEY)  # no identity: the unseeded chains
+    a, b = chain_root("gguf:1:aa"), chain_root("gguf:1:ab")
+    assert a == chain_root("gguf:1:aa") and a != b and 0 <= a.hash < 2**63 and len(a.key) == 16
+    ids = list(range(64))  # the same prompt ids under two models sharing a tokenizer
+    ha, hb = chain_hashes(ids, 16, a.hash), chain_hashes(ids, 16, b.hash)
+    assert len(ha) == 4 and not set(ha) & set(hb) and not set(ha) & set(chain_hashes(ids, 16))
+    assert chain_key(a.key, pack_tokens(ids[:16])) != chain_key(b.key, pack_tokens(ids[:16]))

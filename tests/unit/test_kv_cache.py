@@ -131,3 +131,22 @@ def test_a_duplicate_block_still_passes_its_key_to_the_next():
         blocks.commit_full_blocks(s)
     later = Sequence("c", list(range(4)) + [50, 51, 52, 53, 7], max_tokens=4)
     assert blocks.match_prefix(later) == 8
+
+
+def test_blocks_are_named_from_the_models_chain_root_as_the_router_names_them():
+    """Two engines of two models fed the same ids publish disjoint hashes, each the chain the router computes
+    from that model's root; a block committed under one root is not found by a lookup from another."""
+    from cache.hashing import chain_root
+
+    ids = list(range(10))
+    published = {}
+    for identity in ("gguf:1:aa", "gguf:1:ab"):
+        events, root = [], chain_root(identity)
+        blocks = BlockManager(8, BS, events.append, root=root)
+        run_prefill(blocks, Sequence("a", ids, max_tokens=4))
+        assert [(e.kind, e.hashes) for e in events] == [("added", chain_hashes(ids, BS, root.hash))]
+        published[identity] = (blocks, set(events[0].hashes))
+    (a, in_a), (b, in_b) = published.values()
+    assert not in_a & in_b
+    b.root = a.root  # the same ids looked up from the other model's root: nothing of b's cache matches
+    assert b.match_prefix(Sequence("c", ids, max_tokens=1)) == 0

@@ -81,3 +81,12 @@ def test_failed_request_forgets_the_slot():
     t, events = table(1)
     t.release(0, t.acquire(0, A), [], failed=True)
     assert t.slots[0].tokens == [] and events[-1].kind == "evicted" and not t.slots[0].busy
+
+
+def test_slot_hashes_start_from_the_models_chain_root():
+    events = []
+    t = SlotTable(1, 16, events.append, root=12345)
+    t.release(0, t.acquire(0, A), list(range(900, 918)))  # 17 generated tokens: one more full block
+    want = chain_hashes(A + list(range(900, 917)), 16, 12345)
+    assert t.slots[0].hashes == want and not set(want) & set(chain_hashes(A, 16))
+    assert [h for e in events if e.kind == "added" for h in e.hashes] == want

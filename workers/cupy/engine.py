@@ -206,7 +206,7 @@ def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, 
     model = model or build_model(info, weights, ops or Ops(xp), dtype)
     plan = plan_for(model.cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, dtype, num_local=plan.num_local)
-    blocks = BlockManager.from_plan(plan, block_size, block_sink)
+    blocks = BlockManager.from_plan(plan, block_size, block_sink, info.chain_root)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     return Engine(model, kv, blocks, scheduler, Sampler(xp), info.eos_token_ids, context_length,
                   info.vocab_size, seed)

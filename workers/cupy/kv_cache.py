@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from cache.hashing import ROOT_HASH, ROOT_KEY, block_hash, chain_key, pack_tokens
+from cache.hashing import ChainRoot, block_hash, chain_key, pack_tokens
 from workers.cupy.sequence import Sequence
 from workers.protocol import BlockEvent, BlockSink
 
@@ -185,8 +185,9 @@ class _Pool:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, block_sink: BlockSink | None = None,
-                 num_local: int | None = None, window: int | None = None):
+                 num_local: int | None = None, window: int | None = None, root: ChainRoot = ChainRoot()):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.root = root  # the model's chain root (ModelInfo.chain_root): its blocks' hashes and keys start here
         self.glob = _Pool(num_blocks)
         self.local = _Pool(num_local) if window and num_local is not None else None
         self.window = window if self.local is not None else None
@@ -196,8 +197,9 @@ class BlockManager:
         self._hit_windows: dict[Sequence, range] = {}
 
     @classmethod
-    def from_plan(cls, plan: PoolPlan, block_size: int, block_sink: BlockSink | None = None) -> BlockManager:
-        return cls(plan.num_global, block_size, block_sink, plan.num_local, plan.window)
+    def from_plan(cls, plan: PoolPlan, block_size: int, block_sink: BlockSink | None = None,
+                  root: ChainRoot = ChainRoot()) -> BlockManager:
+        return cls(plan.num_global, block_size, block_sink, plan.num_local, plan.window, root)
 
     @property
     def num_free(self) -> int:
@@ -233,7 +235,7 @@ class BlockManager:
         At least one token is always left to compute: the next token needs its logits.
         """
         assert not seq.block_table, "prefix matching is for a sequence without blocks"
-        bs, parent, key, chain = self.block_size, ROOT_HASH, ROOT_KEY, []
+        bs, (parent, key), chain = self.block_size, self.root, []
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
@@ -290,12 +292,12 @@ class BlockManager:
         the local blocks no later query of `seq` reads."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root.hash
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
             # the parent's key sits on the sequence's own global block for i - 1 (set below even when that
             # block was a duplicate and not registered), so no per-sequence list of keys is kept
-            parent_key = self.glob.blocks[seq.block_table[i - 1]].key if i else ROOT_KEY
+            parent_key = self.glob.blocks[seq.block_table[i - 1]].key if i else self.root.key
             key = chain_key(parent_key, pack_tokens(tokens))
             seq.block_hashes.append(h)
             self.glob.blocks[seq.block_table[i]].key = key

@@ -65,7 +65,8 @@ class LlamaServerBackend(Backend):
         base = Path(ck.dir).expanduser() if ck.dir else cache_root() / "checkpoints"
         store = CheckpointStore(base / self.worker_id, max_files=ck.max_files, max_bytes=int(ck.max_gib * 2**30),
                                 sink=self.block_sink)
-        return Checkpointer(ck, store, self.block_size, timeout_s=self.cfg.headers_timeout_s)
+        return Checkpointer(ck, store, self.block_size, timeout_s=self.cfg.headers_timeout_s,
+                            root=self.model.chain_root.hash)
 
     async def start(self) -> None:
         binary = find_llama_server(self.cfg.binary)
@@ -75,7 +76,8 @@ class LlamaServerBackend(Backend):
             self.checkpoints.store.clear_dir()
             checkpoint_dir = self.checkpoints.store.dir
         self.lanes = build_lanes(self.cfg, self.profile, self.model.path, binary, self.block_size,
-                                 log_dir, self.worker_id, self.block_sink, self.workers_on_box, checkpoint_dir)
+                                 log_dir, self.worker_id, self.block_sink, self.workers_on_box, checkpoint_dir,
+                                 root=self.model.chain_root.hash)
         for lane in self.lanes:
             lane.on_crash = self._on_crash
         # No sock_read: it would also bound the wait for response headers, which llama-server sends with

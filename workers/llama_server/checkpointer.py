@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from cache.hashing import chain_hashes
+from cache.hashing import ROOT_HASH, chain_hashes
 from workers.llama_server.checkpoints import Checkpoint, CheckpointStore, checkpoint_name
 from workers.llama_server.slots import common_prefix
 
@@ -35,8 +35,10 @@ class SlotActionError(Exception):
 
 
 class Checkpointer:
-    def __init__(self, cfg, store: CheckpointStore, block_size: int, timeout_s: float = 30.0):
+    def __init__(self, cfg, store: CheckpointStore, block_size: int, timeout_s: float = 30.0,
+                 root: int = ROOT_HASH):
         self.cfg, self.store, self.block_size = cfg, store, block_size
+        self.root = root  # the model's chain root hash: checkpoint files are named by chains from it
         self.min_blocks = -(-cfg.min_tokens // block_size)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None  # the backend's, set when it starts
@@ -49,7 +51,7 @@ class Checkpointer:
         """The slot to send `prompt` to, reserved (busy), after any restore and save; and the prompt's chain
         hashes (for `SlotTable.acquire`). Slot None: every slot is busy (llama-server will choose)."""
         table, bs = lane.slots, self.block_size
-        hashes = chain_hashes(prompt, bs)
+        hashes = chain_hashes(prompt, bs, self.root)
         slot, matched = table.best(prompt)
         if slot is None:
             return None, hashes

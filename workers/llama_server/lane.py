@@ -10,6 +10,7 @@ import logging
 import os
 from pathlib import Path
 
+from cache.hashing import ROOT_HASH
 from policy.profiles import DeviceProfile
 from policy.speculation import SCHEMA, TEXT, choose_k
 from workers.llama_server import flags
@@ -21,10 +22,10 @@ log = logging.getLogger("pulse.llama_server")
 
 class Lane:
     def __init__(self, name: str, argv_for, *, slots: int, block_size: int, log_path: Path, cfg, sink,
-                 checkpoints: bool = False):
+                 checkpoints: bool = False, root: int = ROOT_HASH):
         self.name = name
         self.checkpoints = checkpoints  # started with --slot-save-path: its slots can be saved and restored
-        self.slots = SlotTable(slots, block_size, sink)
+        self.slots = SlotTable(slots, block_size, sink, root=root)
         self.running = 0
         self.progress_at = float("-inf")  # monotonic time of the last event any stream got: tokens flowing = alive
         self.process = LlamaServerProcess(
@@ -52,8 +53,9 @@ def cpu_threads(cfg, profile: DeviceProfile, workers_on_box: int, lanes: int) ->
 
 def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, block_size: int,
                 log_dir: Path, worker_id: str, sink, workers_on_box: int = 1,
-                checkpoint_dir: Path | None = None) -> list[Lane]:
+                checkpoint_dir: Path | None = None, root: int = ROOT_HASH) -> list[Lane]:
     """The plain lane, and a drafter lane when a drafter is configured (first: the default lane).
+    `root`: the model's chain root hash, where its slots' block hashes start.
 
     Checkpoints (`checkpoint_dir`) go to lanes without a drafter only: a saved slot holds the target
     model's KV, not the drafter's, and restoring it under a drafter is untested."""
@@ -76,7 +78,7 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
     def lane(name: str, draft: bool) -> Lane:
         return Lane(name, argv(draft), slots=slots, block_size=block_size,
                     log_path=log_dir / f"llama-server-{worker_id}-{name}.log", cfg=cfg, sink=sink,
-                    checkpoints=checkpoint_dir is not None and not draft)
+                    checkpoints=checkpoint_dir is not None and not draft, root=root)
 
     if not cfg.draft_model or k == 0:
         return [lane("plain", False)]

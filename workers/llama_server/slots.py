@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cache.hashing import block_hash, chain_hashes
+from cache.hashing import ROOT_HASH, block_hash, chain_hashes
 from workers.protocol import BlockEvent, BlockSink
 
 
@@ -38,8 +38,10 @@ class Slot:
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, block_size: int, sink: BlockSink | None = None, tier: str = "gpu"):
+    def __init__(self, n_slots: int, block_size: int, sink: BlockSink | None = None, tier: str = "gpu",
+                 root: int = ROOT_HASH):
         self.block_size, self.sink, self.tier = block_size, sink, tier
+        self.root = root  # the model's chain root (ModelInfo.chain_root.hash): the first block's parent
         self.slots = [Slot(i) for i in range(n_slots)]
         self._refs: Counter[int] = Counter()
 
@@ -75,7 +77,7 @@ class SlotTable:
             # Hashing costs ~0.25 ms per 1k tokens: reuse the hashes of the blocks the slot already shares.
             bs = self.block_size
             keep = min(common_prefix(slot.tokens, prompt) // bs, len(slot.hashes))
-            parent = slot.hashes[keep - 1] if keep else 0
+            parent = slot.hashes[keep - 1] if keep else self.root
             hashes = slot.hashes[:keep] + chain_hashes(prompt[keep * bs :], bs, parent)
         self._replace(slot, list(prompt), list(hashes))
         return slot.epoch
@@ -109,7 +111,7 @@ class SlotTable:
             return
         held = slot.tokens + generated[:-1]
         bs = self.block_size
-        parent = slot.hashes[-1] if slot.hashes else 0
+        parent = slot.hashes[-1] if slot.hashes else self.root
         more = []
         for start in range(len(slot.hashes) * bs, len(held) - bs + 1, bs):
             parent = block_hash(parent, held[start : start + bs])

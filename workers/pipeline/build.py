@@ -142,7 +142,7 @@ def create_pipelined_engine(info, weights, *, stages_plan, device: str, micro_ba
     kv = model.kv_storage(plan.num_global, block_size, max_seqs=max_num_seqs if graphs else 0,
                           num_local=plan.num_local)
     live = LiveBlocks(block_sink)  # what the router was told: all of it evicted if a stage is lost
-    blocks = BlockManager.from_plan(plan, block_size, live)
+    blocks = BlockManager.from_plan(plan, block_size, live, info.chain_root)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     if device == "cpu":
         sampler = Sampler(np)

@@ -92,5 +92,6 @@ class StageRecovery:
         n = self.blocks.evict_all()
         # every sequence left is waiting and holds no block, so a fresh manager loses nothing but the cache
         eng.blocks = eng.scheduler.blocks = BlockManager(old.num_blocks, old.block_size, self.blocks,
-                                                         old.local.num_blocks if old.local else None, old.window)
+                                                         old.local.num_blocks if old.local else None, old.window,
+                                                         old.root)
         log.info("pipeline: prefix cache dropped (%d blocks reported evicted)", n)

@@ -189,6 +189,9 @@ class WorkerInfo(msgspec.Struct):
     block_size: int = 16
     context_length: int = 0
     model: str = ""  # the served name of the model it holds ("" : whatever the gateway serves)
+    # the root of its model's block-hash chain (cache.hashing.chain_root(...).hash): the router hashes a
+    # prompt from it, so lookups name the blocks this worker publishes and never another model's
+    prefix_seed: int = 0
     secret: str = ""  # the bearer secret the worker's channel demands (workers/stream.py)
 
     def __repr__(self) -> str:  # keeps the secret out of logs and tracebacks

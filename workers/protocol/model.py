@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from xxhash import xxh3_128
+
+from cache.hashing import ChainRoot, chain_root
+
 CACHE_ENV = "PULSE_CACHE_DIR"
 
 
@@ -103,6 +107,12 @@ class ModelInfo:
     chat_template: str | None
     # header key/values with scalar or short values (architecture hyper-parameters), for the engine
     hparams: dict = field(default_factory=dict, compare=False)
+    identity: str = ""  # the GGUF's content digest (gguf_identity); "" : none (unseeded prefix hashes)
+
+    @property
+    def chain_root(self) -> ChainRoot:
+        """The root of this model's block-hash chains: every worker holding it hashes from here."""
+        return chain_root(self.identity)
 
 
 _TOKENIZER_KEYS = {
@@ -175,7 +185,29 @@ def load_model_info(path: str | None = None) -> ModelInfo:
     gguf_path = resolve_model_path(path)
     data = json.loads((_ensure_derived(gguf_path) / "info.json").read_text())
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    data["identity"] = gguf_identity(gguf_path)
     return ModelInfo(**data)
+
+
+def gguf_identity(gguf_path: Path) -> str:
+    """The GGUF's identity: its size and the XXH3-128 of its whole content, cached with the header's derivations.
+
+    Content, not path or served name: two fine-tunes sharing a tokenizer differ here (so their prefix hashes
+    never mix), while one file copied to two nodes, or served under two names, is the same model with
+    interchangeable KV. Hashing the whole file costs ~0.1 s per 250 MB from the page cache (XXH3 is not
+    cryptographic: the operator chooses the model files; this only has to tell them apart), once per file."""
+    cached = model_cache_dir(gguf_path) / "identity.txt"
+    if cached.exists():
+        return cached.read_text().strip()
+    digest = xxh3_128()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    identity = f"gguf:{gguf_path.stat().st_size}:{digest.hexdigest()}"
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(identity)
+    tmp.replace(cached)
+    return identity
 
 
 @lru_cache(maxsize=8)

@@ -120,7 +120,7 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
     cfg = model.cfg
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, num_local=plan.num_local)
-    blocks = BlockManager.from_plan(plan, block_size, block_sink)
+    blocks = BlockManager.from_plan(plan, block_size, block_sink, info.chain_root)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     sampler = GpuSampler(model)
     engine = Engine(model, kv, blocks, scheduler, sampler, info.eos_token_ids, context_length, info.vocab_size, seed)
