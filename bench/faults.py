@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +136,14 @@ class StreamSeen:
     exception: str | None = None
     seconds: float = 0.0
     ended: float = 0.0  # time.monotonic() when the stream ended
+    text: str = ""  # the content deltas, joined
+    finish_reason: str | None = None
+    usage: dict | None = None  # the usage chunk (stream_options.include_usage)
+
+    @property
+    def complete(self) -> bool:
+        """A whole stream: 200, a finish reason, [DONE], no error event."""
+        return self.status == 200 and self.done and self.finish_reason is not None and not self.error_events
 
 
 async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, on_event=None,
@@ -161,6 +171,7 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
                         seen.error_events.append(event)
                     else:
                         seen.content_events += 1
+                        _take(seen, event)
                     if on_event is not None:
                         await on_event(seen)
                 seen.closed = True
@@ -169,6 +180,71 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
     seen.ended = time.monotonic()
     seen.seconds = seen.ended - t0
     return seen
+
+
+def _take(seen: StreamSeen, event: dict) -> None:
+    for choice in event.get("choices") or ():
+        seen.text += (choice.get("delta") or {}).get("content") or ""
+        seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
+    if event.get("usage"):
+        seen.usage = event["usage"]
+
+
+def worker_pid(rows: list[dict], worker_id: str) -> int:
+    """The process serving `worker_id`'s token stream (the worker actor), from GET /pulse/workers rows."""
+    url = next(w["url"] for w in rows if w["worker_id"] == worker_id)
+    pids = listening_pids(port_of(url))
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one process listening for {worker_id} at {url}: {pids}")
+    return pids.pop()
+
+
+async def _pid_when_listening(session: aiohttp.ClientSession, base: str, worker_id: str, timeout_s: float = 10.0):
+    """worker_pid, retried while the gateway's row for the worker may still name a dead address."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return worker_pid(await workers(session, base), worker_id)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def kill_under_streams(session: aiohttp.ClientSession, base: str, bodies: list[dict], *,
+                             after_events: int, timeout_s: float = 120.0) -> tuple[list[StreamSeen], dict]:
+    """One stream per body; once every stream has seen `after_events` content events (or 30 s passed), SIGKILL
+    the worker process serving the most of them that are still running. Returns what each stream saw and
+    what was killed: {"victim", "pid", "live_on_victim", "live_elsewhere", "killed_at" (monotonic)}."""
+    seen = [StreamSeen() for _ in bodies]
+    started = [asyncio.Event() for _ in bodies]
+
+    def waker(i: int):
+        async def on_event(s: StreamSeen) -> None:
+            seen[i] = s  # the live record, so the kill can see which worker each running stream is on
+            if s.content_events >= after_events or s.finish_reason:
+                started[i].set()
+        return on_event
+
+    async def one(i: int, body: dict) -> None:
+        seen[i] = await stream_chat(session, base, body, on_event=waker(i), timeout_s=timeout_s)
+        started[i].set()
+
+    tasks = [asyncio.create_task(one(i, b)) for i, b in enumerate(bodies)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    except asyncio.TimeoutError:
+        pass  # kill anyway: some streams still wait in the admission queue
+    live = Counter(s.worker for s in seen if s.worker and not s.ended)
+    victim = live.most_common(1)[0][0] if live else None
+    info = {"victim": victim, "live_on_victim": live.get(victim, 0),
+            "live_elsewhere": sum(live.values()) - live.get(victim, 0)}
+    if victim is not None:
+        info["pid"] = await _pid_when_listening(session, base, victim)
+        os.kill(info["pid"], signal.SIGKILL)
+    info["killed_at"] = time.monotonic()
+    await asyncio.gather(*tasks)
+    return seen, info
 
 
 def record(name: str, figures: dict) -> None:

@@ -1,6 +1,7 @@
 """Load soak for the reliability suite: N concurrent streams for T seconds against the load-test backend.
 
     python -m bench.reliability load --streams 1000 --seconds 60
+    python -m bench.reliability kill --streams 32 --repeats 3    # a worker killed under load: streams lost
 
 Starts `pulse serve --backend loadtest` (slots for every stream, a token rate that keeps each stream busy
 for seconds), runs N closed-loop streaming clients (one aiohttp session, connector sized to N) for a
@@ -26,7 +27,17 @@ from pathlib import Path
 import aiohttp
 
 from bench import loops
-from bench.faults import MODEL, listening_pids, port_of, rss_bytes, settled_idle, workers
+from bench.faults import (
+    MODEL,
+    kill_under_streams,
+    listening_pids,
+    port_of,
+    rss_bytes,
+    settled_idle,
+    stream_chat,
+    wait_until,
+    workers,
+)
 from bench.procs import free_port
 from bench.loadgen import LoadSpec, RequestResult, one_request, percentiles, request_body
 from bench.machine import machine_info
@@ -206,6 +217,123 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} ms"
 
 
+# ---- a worker killed under N streams: how many streams are lost (request migration, gateway/migration.py) ----
+
+KILL_PROMPTS = ["Tell me a long story about a lighthouse.", "Explain how a bicycle works, step by step.",
+                "Write a letter to a friend about the sea.", "Describe a busy market in the morning."]
+
+
+def kill_config(streams: int, backend: str) -> str:
+    if backend == "loadtest":
+        engine = f"loadtest: {{tokens: 100000, tokens_per_s: 20, slots: {2 * streams}}}"
+    else:  # the real engine on the CPU; each worker can hold every stream (the survivor takes them all)
+        engine = f"engine: {{device: cpu, kv_blocks: {max(512, 8 * streams)}, max_num_seqs: {streams}}}"
+    return f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
+workers:
+  backend: {backend}
+  count: 2
+  {engine}
+server:
+  drain_grace_s: 2
+"""
+
+
+def kill_bodies(streams: int, tokens: int) -> list[dict]:
+    """Greedy streams of exactly `tokens` tokens (ignore_eos), over a few prompts."""
+    return [{"model": MODEL, "messages": [{"role": "user", "content": KILL_PROMPTS[i % len(KILL_PROMPTS)]}],
+             "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True}} for i in range(streams)]
+
+
+async def _migrations(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    async with session.get(base + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pulse_stream_migrations_total{"):
+            out[line.split('outcome="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _both_serving(session: aiohttp.ClientSession, base: str) -> bool:
+    """Both workers healthy in the gateway's view, each at an address a live process listens on."""
+    rows = await workers(session, base)
+    return len(rows) == 2 and all(w["healthy"] and listening_pids(port_of(w["url"])) for w in rows)
+
+
+async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progress: bool = False) -> dict:
+    """An undisturbed reference run of the streams, then `repeats` runs that SIGKILL one worker of two once
+    every stream has 4 events. Lost: a stream that did not end whole (200, finish reason, [DONE], no error
+    event). Differing: a whole stream whose text is not the reference's (greedy: it should be the same)."""
+    raise_fd_limit(4 * streams + 256)
+    bodies = kill_bodies(streams, tokens)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        reference = await asyncio.gather(*(stream_chat(s, base, b, timeout_s=600) for b in bodies))
+        broken = [i for i, x in enumerate(reference) if not x.complete]
+        if broken:
+            raise RuntimeError(f"the undisturbed reference run lost streams {broken}: {reference[broken[0]]}")
+        runs = []
+        for r in range(repeats):
+            if await wait_until(lambda: _both_serving(s, base), 180, 0.5) is None:
+                raise RuntimeError("the killed worker did not come back within 180 s")
+            before = await _migrations(s, base)
+            t0 = time.monotonic()
+            seen, info = await kill_under_streams(s, base, bodies, after_events=4, timeout_s=600)
+            after = await _migrations(s, base)
+            lost = [i for i, x in enumerate(seen) if not x.complete]
+            differ = [i for i, x in enumerate(seen) if x.complete and x.text != reference[i].text]
+            short = [i for i, x in enumerate(seen) if x.complete and (x.usage or {}).get("completion_tokens") != tokens]
+            run = {"victim": info["victim"], "live_on_victim_at_kill": info["live_on_victim"],
+                   "live_elsewhere_at_kill": info["live_elsewhere"], "lost": len(lost),
+                   "differing_text": len(differ), "wrong_usage": len(short),
+                   "migrations": {k: after.get(k, 0) - before.get(k, 0) for k in ("resumed", "failed")},
+                   "seconds": round(time.monotonic() - t0, 1),
+                   "lost_saw": [(x.status, x.error_events[:1], x.exception) for x in (seen[i] for i in lost)][:3]}
+            runs.append(run)
+            if progress:
+                print(f"  run {r + 1}/{repeats}: {run}", file=sys.stderr, flush=True)
+    return {"streams": streams, "tokens": tokens, "repeats": repeats, "runs": runs,
+            "lost_per_run": [x["lost"] for x in runs], "differing_per_run": [x["differing_text"] for x in runs],
+            "failures": [f"run {i + 1} lost {x['lost']} streams" for i, x in enumerate(runs) if x["lost"]]}
+
+
+def kill_markdown(doc: dict) -> str:
+    lines = [f"{doc['streams']} greedy streams x {doc['tokens']} tokens, 2 workers ({doc['backend']}), one worker "
+             f"SIGKILLed mid-run, {doc['repeats']} runs", "",
+             "| run | streams on the killed worker / elsewhere | lost | text differs from undisturbed | "
+             "wrong usage | migrations resumed / failed | seconds |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for i, r in enumerate(doc["runs"]):
+        lines.append(f"| {i + 1} | {r['live_on_victim_at_kill']} / {r['live_elsewhere_at_kill']} | {r['lost']} | "
+                     f"{r['differing_text']} | {r['wrong_usage']} | {r['migrations']['resumed']:.0f} / "
+                     f"{r['migrations']['failed']:.0f} | {r['seconds']} |")
+    return "\n".join(lines)
+
+
+def run_kill(args: argparse.Namespace) -> int:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = args.out / f"reliability-kill-{stamp}.yaml"
+    cfg.write_text(kill_config(args.streams, args.backend))
+    port = free_port()
+    before = machine_info()
+    proc = Proc("pulse-serve", python_module("pulse.cli", "serve", "--port", str(port), "--config", str(cfg)),
+                args.out / f"logs-reliability-kill-{stamp}")
+    try:
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", 300)
+        doc = asyncio.run(drive_kill(f"http://127.0.0.1:{port}", args.streams, args.tokens, args.repeats,
+                                     not args.quiet))
+    finally:
+        left = proc.stop()
+    doc.update(backend=args.backend, command=command_line(), machine=before, loadavg_end=list(os.getloadavg()),
+               server_leftovers=left)
+    path = args.out / f"reliability-kill-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(kill_markdown(doc))
+    print(f"\nload average at start {before['loadavg']}, at end {doc['loadavg_end']}; result: {path}")
+    return 0 if not doc["failures"] else 1
+
+
 def run_cli(args: argparse.Namespace) -> int:
     soak = Soak(args.streams, args.seconds, args.warmup, args.tokens, args.tokens_per_s)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -244,12 +372,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--loop", choices=loops.CHOICES, default="auto")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--quiet", action="store_true")
+    k = sub.add_parser("kill", help="N streams, one worker of two SIGKILLed mid-run: streams lost")
+    k.add_argument("--streams", type=int, default=32)
+    k.add_argument("--tokens", type=int, default=32, help="tokens per stream (greedy, ignore_eos)")
+    k.add_argument("--repeats", type=int, default=3, help="kill runs (after one undisturbed reference run)")
+    k.add_argument("--backend", choices=["cupy", "loadtest"], default="cupy")
+    k.add_argument("--out", type=Path, default=OUT)
+    k.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run_cli(args)
+    return run_kill(args) if args.cmd == "kill" else run_cli(args)
 
 
 if __name__ == "__main__":

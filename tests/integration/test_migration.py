@@ -107,3 +107,87 @@ def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
     assert finish == "length"
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
     assert _migrations(base) == before + 1
+
+
+async def _stop_straddling_the_hand_over():
+    from policy.config import PulseConfig
+    from policy.profiles import builtin_profiles
+    from workers.cupy.backend import EngineBackend
+    from workers.protocol import GenerateRequest
+    from workers.protocol.model import load_model_info
+
+    config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4}}})
+    backend = EngineBackend(config, builtin_profiles()["cpu"], load_model_info(None))
+    await backend.start()
+    try:
+        prompt = encode(PROMPTS[2])
+
+        def request(rid: str, **kw) -> GenerateRequest:
+            return GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=32, sampling=GREEDY,
+                                   ignore_eos=True, **kw)
+
+        whole = [c async for c in backend.generate(request("whole"))]
+        full = "".join(c.text for c in whole)
+        # a cut after a one-token chunk of 3+ characters; the stop string starts at its last 2 characters
+        done, k, stop = "", 0, None
+        for c in whole[:-1]:
+            done += c.text
+            k += len(c.token_ids)
+            if k >= 6 and len(c.token_ids) == 1 and len(c.text) >= 3:
+                candidate = done[-2:] + full[len(done):len(done) + 4]
+                if len(candidate) == 6 and full.find(candidate) == len(done) - 2:
+                    stop = candidate
+                    break
+        assert stop is not None, f"no cut found in {full!r}"
+        expected = full[: len(done) - 2]
+
+        # the first worker: stop string set; it dies once its k-th token has been relayed
+        first = backend.generate(request("first", stop=[stop]))
+        sent, ids = "", []
+        async for c in first:
+            sent, ids = sent + c.text, ids + c.token_ids
+            if len(ids) >= k:
+                break
+        await first.aclose()
+        assert len(ids) == k and sent == expected, (ids, sent)  # the stop string's start is held back
+        rest = [c async for c in backend.generate(request("second", stop=[stop], resume_ids=ids))]
+        return sent, "".join(c.text for c in rest), rest[-1], expected
+    finally:
+        await backend.close()
+
+
+def test_a_stop_string_straddling_the_hand_over_still_matches():
+    sent, after, final, expected = asyncio.run(_stop_straddling_the_hand_over())
+    assert sent + after == expected
+    assert final.finish_reason == "stop"
+
+
+async def _llama_server_resume(tmp):
+    from tests.integration import llama_server_helpers as ls
+    from workers.protocol import BackendError
+
+    backend = ls.make_backend(tmp)
+    await backend.start()
+    try:
+        prompt = ls.encode("The three primary colours are red, yellow and blue. Explain how to mix green paint, "
+                           "step by step:")  # no near-tie in its first tokens (test_llama_server_backend)
+        whole = await ls.collect(backend, ls.request("whole", prompt, max_tokens=24))
+        ids = [t for c in whole for t in c.token_ids]
+        rest = await ls.collect(backend, ls.request("rest", prompt, max_tokens=24, resume_ids=ids[:9]))
+        try:
+            await ls.collect(backend, ls.request("json", prompt, max_tokens=24, resume_ids=ids[:9], grammar="{}"))
+            refused = None
+        except BackendError as e:
+            refused = e
+        return prompt, ids, rest, refused
+    finally:
+        await backend.close()
+
+
+def test_llama_server_continues_a_greedy_generation(tmp_path):
+    prompt, ids, rest, refused = asyncio.run(_llama_server_resume(tmp_path))
+    assert [t for c in rest for t in c.token_ids] == ids[9:]
+    assert (rest[-1].usage.prompt_tokens, rest[-1].usage.completion_tokens) == (len(prompt), 24)
+    # a grammar cannot start mid-way on llama-server: refused before any output (the gateway's stream then
+    # ends with its one error event)
+    assert refused is not None and refused.status == 400 and refused.code == "cannot_resume"

@@ -1,8 +1,9 @@
 """Faults against a real `pulse serve` with two workers (real Ray, real gateway, load-test backend).
 
-- A worker actor killed (SIGKILL) mid-stream: its clients get one in-band SSE error event and the stream
-  closes; the other worker's streams finish; new requests during the outage all succeed on the other
-  worker; Ray restarts the actor and the gateway routes to it again. Time to healthy is recorded.
+- A worker actor killed (SIGKILL) mid-stream: its streams move to the other worker, which continues them
+  (gateway/migration.py): every client gets every token in order and [DONE], no error event; the other
+  worker's streams finish; new requests during the outage all succeed on the other worker; Ray restarts
+  the actor and the gateway routes to it again. Time to healthy is recorded.
 - A disconnect storm: 200 clients open streams and drop them at random points; afterwards no slot is
   held on any worker, the gateway holds no stream, and it still serves.
 
@@ -24,12 +25,11 @@ from bench.faults import (
     CHAT,
     chat_body,
     health,
-    listening_pids,
-    port_of,
     record,
     settled_idle,
     stream_chat,
     wait_until,
+    worker_pid,
     workers,
 )
 from tests.conftest import PulseProcess
@@ -53,13 +53,6 @@ def two_workers(tmp_path_factory):
     srv = PulseProcess([], CONFIG, tmp_path_factory.mktemp("pulse-faults")).wait_ready()
     yield srv
     srv.stop()
-
-
-def worker_pid(rows: list[dict], worker_id: str) -> int:
-    url = next(w["url"] for w in rows if w["worker_id"] == worker_id)
-    pids = listening_pids(port_of(url))
-    assert len(pids) == 1, f"expected one process listening for {worker_id} at {url}: {pids}"
-    return pids.pop()
 
 
 async def _open_streams(session, base: str, n: int, max_tokens: int, min_events: int):
@@ -107,16 +100,12 @@ async def test_kill_worker_mid_stream(two_workers):
     on_victim = [x for x in seen if x.worker == victim]
     on_other = [x for x in seen if x.worker != victim]
     assert on_victim and on_other, f"streams did not spread over both workers: {[x.worker for x in seen]}"
-    for x in on_victim:  # one in-band error event, then the stream closed (not hung, not [DONE])
-        assert len(x.error_events) == 1 and x.error_events[0]["error"]["code"] == "worker_failed", x
-        assert x.closed and not x.done and x.exception is None, x
-    for x in on_other:
-        assert x.done and not x.error_events and x.content_events >= 1500, x
+    whole = "".join(f" t{i}" for i in range(1500))  # the load-test backend's text for 1,500 tokens
+    for x in on_victim + on_other:  # the killed worker's streams went on elsewhere: one whole stream each
+        assert x.complete and x.exception is None and x.text == whole, (x.error_events, x.text[-80:])
     assert all(h == 200 for _, h, _, _ in outage), f"/health not 200 with one worker left: {outage}"
     # while the victim is down every request lands on the other worker (the last ones may race its return)
     assert {w for _, _, _, w in outage[:-2]} <= {x.worker for x in on_other}, outage
-    ended_after_kill = max(x.ended - killed for x in on_victim)
-    assert ended_after_kill < 5, f"killed streams took {ended_after_kill:.1f} s to close"
 
     async with aiohttp.ClientSession() as s:
         new_pid = worker_pid(await workers(s, base), victim)
@@ -128,13 +117,12 @@ async def test_kill_worker_mid_stream(two_workers):
     assert idle_after is not None, "a slot stayed held after the fault"
     record("kill_worker_mid_stream", {
         "workers": 2, "streams_on_killed_worker": len(on_victim), "streams_on_other_worker": len(on_other),
-        "killed_streams_saw": "1 SSE error event (worker_failed), then close",
+        "killed_streams_saw": "all tokens in order and [DONE] (continued on the other worker)",
         "other_streams_saw": "all tokens and [DONE]",
         "requests_during_outage": len(outage), "failed_during_outage": 0,
         "health_during_outage": sorted({h for _, h, _, _ in outage}),
         "served_by_during_outage": dict(Counter(w for _, _, _, w in outage)),
         "seconds_until_killed_worker_routable": round(to_healthy, 2),
-        "killed_streams_closed_within_s": round(ended_after_kill, 3),
     })
 
 
