@@ -109,7 +109,8 @@ class WorkerActor:
             # "all interfaces" means the node's own address (where other nodes reach it), not every one
             self.server = StreamServer(self.backend, host=advertised_host(self.bind_host), worker_id=self.worker_id,
                                        tracer=provider.get_tracer("pulse.worker"), limits=limits,
-                                       block_log=None if self.publisher else self.block_log)
+                                       block_log=None if self.publisher else self.block_log,
+                                       models=tuple(self.config.model.ids))
             url = await self.server.start()
             stats = self.backend.stats()
             # the channel secret reaches gateways only through Ray (this return value), never the network

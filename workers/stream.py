@@ -4,7 +4,8 @@ POST /generate takes a GenerateRequest (JSON) and answers with one Chunk (JSON) 
 answers BackendStats. Only the gateway may call: every request carries `Authorization: Bearer <secret>`
 (the worker's channel secret, made here and handed to gateways through Ray in WorkerInfo), compared in
 constant time; anything else gets 401. The worker checks every bound of a GenerateRequest itself
-(workers/request_limits.py) and takes bodies no larger than a within-bounds request needs. Chunks that
+(workers/request_limits.py) and takes bodies no larger than a within-bounds request needs, and it refuses a
+request naming a model it does not hold (421 `model_not_held`) rather than generate with the wrong one. Chunks that
 are ready together go out in one write (coalescing), the first at once. A gateway that closes the
 connection cancels the generation: aiohttp cancels the handler and the backend's iterator is closed in
 `finally`, freeing the slot and KV blocks.
@@ -28,8 +29,9 @@ log = logging.getLogger("pulse.worker.stream")
 class StreamServer:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, *, tracer=None,
                  worker_id: str = "", block_log=None, limits: RequestLimits | None = None,
-                 secret: str | None = None):
+                 secret: str | None = None, models: tuple[str, ...] = ()):
         self.block_log = block_log
+        self.models = models  # the ids of the model it holds (served name, aliases); empty: any request's
         self.limits = limits or RequestLimits(context_length=1 << 20)
         self.secret = secret or secrets.token_urlsafe(32)
         self._expected = f"Bearer {self.secret}".encode()
@@ -90,6 +92,10 @@ class StreamServer:
         problem = self.limits.problem(req)
         if problem:
             return _error(400, f"generate request out of bounds: {problem}", "out_of_bounds")
+        if req.model and self.models and req.model not in self.models:
+            # 421 Misdirected Request: the gateway sent it to the wrong worker (its view of the workers is stale)
+            return _error(421, f"worker {self.worker_id} holds model {self.models[0]!r}, not {req.model!r}",
+                          "model_not_held")
         parent = tm.extract_context(req.trace_context)
         # prefill: arrival (queue wait included) to the first chunk; decode: first chunk to finish
         with self.tracer.start_as_current_span(tm.SPAN_PREFILL, context=parent) as prefill:

@@ -4,7 +4,7 @@ The bundled SmolLM2 and a copy with one weight byte changed (a different model, 
 prompt ids), each held by a real worker (WorkerActor, in-process, running a real llama-server), seen by the
 gateway's real pool, in-process index and router: each worker's published blocks are exactly the chain the
 router computes from that worker's WorkerInfo.prefix_seed, the two chains are disjoint, and a prompt cached
-by one model is no prefix hit for the other.
+by one model is no prefix hit for the other. A worker sent the other model's request refuses it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gateway.router import PrefixRouter
 from policy.config import PulseConfig, RoutingConfig
 from tests.integration.llama_server_helpers import llama_server_binary
 from workers.actor import WorkerActor
-from workers.protocol import GenerateRequest, SamplingParams
+from workers.protocol import BackendError, GenerateRequest, SamplingParams
 from workers.protocol.model import gguf_identity, load_model_info, load_tokenizer, resolve_model_path
 
 SMOL = "smollm2-135m-instruct"
@@ -70,7 +70,7 @@ async def fleet(twin, tmp_path):
 
         pool = WorkerPool(discover, block_index=index)
         await pool.start()
-        yield pool, index
+        yield pool, index, actors
     finally:
         if pool is not None:
             await pool.close()
@@ -83,12 +83,13 @@ def gen(rid: str, ids: list[int], model: str) -> GenerateRequest:
                            sampling=SamplingParams(temperature=0.0))
 
 
-async def run(pool: WorkerPool, w, req: GenerateRequest) -> None:
+async def run(pool: WorkerPool, w, req: GenerateRequest):
+    """The final chunk of one generation on worker `w`."""
     resp = await pool.open_stream(w, req)
     try:
         async for batch in iter_batches(resp):
-            if any(c.finish_reason for c in batch):
-                return
+            if batch[-1].finish_reason:
+                return batch[-1]
     finally:
         resp.close()
 
@@ -97,7 +98,7 @@ PROMPT_TEXT = "A list of the planets of the solar system, in order from the sun,
 
 
 async def test_each_models_blocks_are_its_own_and_the_router_finds_them(fleet):
-    pool, index = fleet
+    pool, index, _ = fleet
     a, b = pool.workers["w-smol-a"], pool.workers["w-smol-b"]
     assert a.info.prefix_seed and b.info.prefix_seed and a.info.prefix_seed != b.info.prefix_seed
     assert a.info.prefix_seed == load_model_info(SMOL).chain_root.hash  # the worker's seed is its model's
@@ -120,3 +121,19 @@ async def test_each_models_blocks_are_its_own_and_the_router_finds_them(fleet):
     await pool.poll_once()
     assert await index.longest_prefix(hb) == {"w-smol-b": len(hb)}
     assert await index.longest_prefix(ha) == {"w-smol-a": len(ha)}  # each entry lists one model's worker
+
+
+async def test_a_worker_refuses_a_model_it_does_not_hold(fleet):
+    """Sent another model's request (a gateway with a stale view), a worker answers 421 naming both models
+    and generates nothing; a request naming its model, or none, is served."""
+    pool, _, actors = fleet
+    a, slot = pool.workers["w-smol-a"], actors[0].backend.lanes[0].slots.slots[0]
+    ids = load_tokenizer(SMOL).encode("The capital of France is", add_special_tokens=False).ids
+    with pytest.raises(BackendError) as refused:
+        await run(pool, a, gen("x1", ids, "smol-b"))
+    assert refused.value.status == 421
+    assert "smol-a" in refused.value.message and "smol-b" in refused.value.message
+    assert slot.tokens == []  # it never reached llama-server's slot
+    assert (await run(pool, a, gen("x2", ids, "smol-a"))).usage.completion_tokens == 2
+    assert slot.tokens[: len(ids)] == ids
+    assert (await run(pool, a, gen("x3", ids, ""))).usage.completion_tokens == 2
