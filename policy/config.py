@@ -62,6 +62,11 @@ class ModelConfig(PulseModel):
     workers: int | None = Field(
         None, ge=1, description="Worker actors holding this model; empty: workers.count (one per GPU, one on a CPU box)."
     )
+    kv_tokens: int | None = Field(
+        None, ge=16, description="KV cache of each of this model's workers, in tokens (the engine's KV blocks times "
+        "the block size, llama-server's -c); empty: workers.engine.kv_blocks or workers.llama_server.kv_tokens, else "
+        "the device profile's kv_cache_tokens. Workers sharing a GPU each allocate their own: their sum must fit."
+    )
 
     @property
     def ids(self) -> list[str]:
@@ -377,4 +382,8 @@ class PulseConfig(PulseModel):
         data["model"], data["models"] = model.model_dump(), [model.model_dump()]
         if model.backend is not None:
             data["workers"]["backend"] = model.backend
+        if model.kv_tokens is not None:  # the model's own KV budget, in the unit each backend reads
+            engine = data["workers"]["engine"]
+            engine["kv_blocks"] = -(-model.kv_tokens // engine["block_size"])
+            data["workers"]["llama_server"]["kv_tokens"] = model.kv_tokens
         return PulseConfig.model_validate(data)

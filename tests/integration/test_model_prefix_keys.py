@@ -4,13 +4,15 @@ The bundled SmolLM2 and a copy with one weight byte changed (a different model, 
 prompt ids), each held by a real worker (WorkerActor, in-process, running a real llama-server), seen by the
 gateway's real pool, in-process index and router: each worker's published blocks are exactly the chain the
 router computes from that worker's WorkerInfo.prefix_seed, the two chains are disjoint, and a prompt cached
-by one model is no prefix hit for the other. A worker sent the other model's request refuses it.
+by one model is no prefix hit for the other. A worker sent the other model's request refuses it. Each model's
+own KV budget reaches its workers.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -48,17 +50,18 @@ def test_the_identity_is_the_gguf_content_not_its_path_or_name(twin, tmp_path):
     assert gguf_identity(same) == smol != gguf_identity(Path(twin))
 
 
-def config(tmp_path, models: list[tuple[str, str]]) -> PulseConfig:
+def config(tmp_path, models: list[dict]) -> PulseConfig:
     ls = {"binary": str(llama_server_binary()), "slots": 1, "kv_tokens": 1024, "threads": 1,
           "log_dir": str(tmp_path), "headers_timeout_s": 20.0, "stop_grace_s": 3.0}
     return PulseConfig.model_validate({"workers": {"backend": "llama-server", "llama_server": ls},
-                                       "models": [{"path": p, "name": n} for n, p in models]})
+                                       "models": models})
 
 
 @pytest_asyncio.fixture
 async def fleet(twin, tmp_path):
     """Two real workers (one per model) and the gateway's pool feeding an in-process index."""
-    cfg = config(tmp_path, [("smol-a", SMOL), ("smol-b", twin)])
+    # smol-b has a KV budget of its own; smol-a takes the workers' (llama_server.kv_tokens: 1024)
+    cfg = config(tmp_path, [{"name": "smol-a", "path": SMOL}, {"name": "smol-b", "path": twin, "kv_tokens": 2048}])
     actors = [WorkerActor(cfg.for_model(m).model_dump_json(), f"w-{m.name}") for m in cfg.models]
     index = MemoryPrefixIndex()
     pool = None
@@ -137,3 +140,15 @@ async def test_a_worker_refuses_a_model_it_does_not_hold(fleet):
     assert (await run(pool, a, gen("x2", ids, "smol-a"))).usage.completion_tokens == 2
     assert slot.tokens[: len(ids)] == ids
     assert (await run(pool, a, gen("x3", ids, ""))).usage.completion_tokens == 2
+
+
+async def test_each_model_gets_its_own_kv_budget(fleet):
+    """A model's `kv_tokens` reaches its workers (llama-server's -c, the KV blocks routing and admission see);
+    a model without one takes the workers' setting."""
+    pool, _, actors = fleet
+    for actor, name, tokens in zip(actors, ("w-smol-a", "w-smol-b"), (1024, 2048)):
+        assert pool.workers[name].stats.kv_blocks_total == tokens // 16
+        async with aiohttp.ClientSession() as http:
+            async with http.get(actor.backend.lanes[0].process.url + "/props") as r:
+                props = await r.json()
+        assert props["default_generation_settings"]["n_ctx"] == tokens

@@ -126,3 +126,14 @@ def test_one_server_can_hold_a_gguf_on_each_backend():
     by_backend = {(m.path, m.backend) for m in cfg.models}
     assert by_backend == {(p, b) for p in ("gemma-3-270m", "smollm2-135m-instruct") for b in ("cupy", "llama-server")}
     assert {cfg.for_model(m).workers.backend for m in cfg.models} == {"cupy", "llama-server"}
+
+
+def test_a_models_kv_budget_becomes_its_workers_kv_setting():
+    cfg = PulseConfig.model_validate({"workers": {"engine": {"block_size": 32, "kv_blocks": 10},
+                                                  "llama_server": {"kv_tokens": 320}},
+                                      "models": [{"name": "a", "kv_tokens": 1000}, {"name": "b"}]})
+    a, b = (cfg.for_model(m) for m in cfg.models)
+    assert (a.workers.engine.kv_blocks, a.workers.llama_server.kv_tokens) == (32, 1000)  # 1000 tokens: 31.25 blocks
+    assert (b.workers.engine.kv_blocks, b.workers.llama_server.kv_tokens) == (10, 320)  # none: the workers' own
+    with pytest.raises(ValidationError):
+        PulseConfig.model_validate({"models": [{"name": "a", "kv_tokens": 8}]})
