@@ -203,7 +203,12 @@ def test_real_model_greedy_matches_llamacpp(smollm2, tmp_path):
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
                 theirs = json.loads(r.read())["tokens"]
-            assert mine == theirs, f"{text!r}: GPU engine {mine} llama.cpp {theirs}"
+            # llama-server's ignore_eos biases end-of-generation tokens to -inf, while the engine's
+            # ignore_eos only keeps going past them: the two runs are the same computation only up to the
+            # engine's first EOS (seen on the H200: "Paris." then EOS, where llama.cpp had to pick another)
+            end = next((i for i, t in enumerate(mine) if t in info.eos_token_ids), len(mine))
+            assert end >= 3, f"{text!r}: the engine ends after {end} tokens, too few to compare"
+            assert mine[:end] == theirs[:end], f"{text!r}: GPU engine {mine} llama.cpp {theirs}"
     finally:
         loop.run_until_complete(proc.stop())
         loop.close()
