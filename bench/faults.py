@@ -239,11 +239,16 @@ async def kill_under_streams(session: aiohttp.ClientSession, base: str, bodies: 
     victim = live.most_common(1)[0][0] if live else None
     info = {"victim": victim, "live_on_victim": live.get(victim, 0),
             "live_elsewhere": sum(live.values()) - live.get(victim, 0)}
+    pids = {w["worker_id"]: await _pid_when_listening(session, base, w["worker_id"])
+            for w in await workers(session, base)}
     if victim is not None:
-        info["pid"] = await _pid_when_listening(session, base, victim)
+        info["pid"] = pids[victim]
         os.kill(info["pid"], signal.SIGKILL)
     info["killed_at"] = time.monotonic()
     await asyncio.gather(*tasks)
+    # a second failure during the run (on a crowded box: Ray's memory monitor killing a worker) is not the
+    # one-worker-killed case: say so rather than count its losses as migration's
+    info["others_died"] = [w for w, pid in pids.items() if w != victim and not Path(f"/proc/{pid}").exists()]
     return seen, info
 
 

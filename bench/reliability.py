@@ -284,7 +284,8 @@ async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progres
             lost = [i for i, x in enumerate(seen) if not x.complete]
             differ = [i for i, x in enumerate(seen) if x.complete and x.text != reference[i].text]
             short = [i for i, x in enumerate(seen) if x.complete and (x.usage or {}).get("completion_tokens") != tokens]
-            run = {"victim": info["victim"], "live_on_victim_at_kill": info["live_on_victim"],
+            run = {"victim": info["victim"], "others_died": info["others_died"],
+                   "live_on_victim_at_kill": info["live_on_victim"],
                    "live_elsewhere_at_kill": info["live_elsewhere"], "lost": len(lost),
                    "differing_text": len(differ), "wrong_usage": len(short),
                    "migrations": {k: after.get(k, 0) - before.get(k, 0) for k in ("resumed", "failed")},
@@ -295,7 +296,9 @@ async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progres
                 print(f"  run {r + 1}/{repeats}: {run}", file=sys.stderr, flush=True)
     return {"streams": streams, "tokens": tokens, "repeats": repeats, "runs": runs,
             "lost_per_run": [x["lost"] for x in runs], "differing_per_run": [x["differing_text"] for x in runs],
-            "failures": [f"run {i + 1} lost {x['lost']} streams" for i, x in enumerate(runs) if x["lost"]]}
+            "failures": [f"run {i + 1} lost {x['lost']} streams" + (
+                f" (but {', '.join(x['others_died'])} died too: not a one-worker kill)" if x["others_died"] else "")
+                for i, x in enumerate(runs) if x["lost"]]}
 
 
 def kill_markdown(doc: dict) -> str:
@@ -304,7 +307,8 @@ def kill_markdown(doc: dict) -> str:
              "| run | streams on the killed worker / elsewhere | lost | text differs from undisturbed | "
              "wrong usage | migrations resumed / failed | seconds |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(doc["runs"]):
-        lines.append(f"| {i + 1} | {r['live_on_victim_at_kill']} / {r['live_elsewhere_at_kill']} | {r['lost']} | "
+        also = f" (also died: {', '.join(r['others_died'])})" if r["others_died"] else ""
+        lines.append(f"| {i + 1} | {r['live_on_victim_at_kill']} / {r['live_elsewhere_at_kill']}{also} | {r['lost']} | "
                      f"{r['differing_text']} | {r['wrong_usage']} | {r['migrations']['resumed']:.0f} / "
                      f"{r['migrations']['failed']:.0f} | {r['seconds']} |")
     return "\n".join(lines)

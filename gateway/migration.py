@@ -87,22 +87,23 @@ class Relay:
         if len(self.delivered) >= self.gen.max_tokens:  # every token arrived, only the final chunk was lost
             return Chunk(finish_reason="length", usage=Usage(prompt_tokens=len(self.gen.prompt_ids),
                                                              completion_tokens=len(self.delivered)))
-        why = f"worker {failed} failed mid-stream ({broken})"
+        why = f"worker {failed} failed mid-stream"
         if self.migrations >= self.max_migrations:
-            return self._failed(f"{why}; {self.migrations} hand-overs already made")
+            return self._failed(f"{why} after {self.migrations} hand-overs", broken)
         self.migrations += 1
         follow_on = msgspec.structs.replace(self.gen, request_id=f"{self.gen.request_id}.m{self.migrations}",
                                             resume_ids=list(self.delivered))
         try:
             self.ticket = await self.dispatcher.open(follow_on, exclude=self._tried)
         except APIError as e:
-            return self._failed(f"{why}; no other worker could continue it: {e.message}")
+            return self._failed(f"{why} and no other worker could continue it", f"{broken}; {e.message}")
         self._tried.add(self.ticket.worker.worker_id)
         self.metrics.migrated("resumed")
         return self.ticket.first, self.ticket.chunks
 
-    def _failed(self, message: str) -> Chunk:
-        log.warning("stream %s lost: %s", self.gen.request_id, message)
+    def _failed(self, message: str, detail: str) -> Chunk:
+        """The error chunk that ends the stream; `detail` (exception text, addresses) goes to the log only."""
+        log.warning("stream %s lost: %s (%s)", self.gen.request_id, message, detail)
         self.metrics.migrated("failed")
         return Chunk(finish_reason="error", error=message)
 

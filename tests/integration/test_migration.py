@@ -86,8 +86,31 @@ async def _pid_of(base: str, worker_id: str) -> int:
         return worker_pid(await workers(s, base), worker_id)
 
 
+async def _both_serving(base: str) -> bool:
+    from bench.faults import listening_pids, port_of
+
+    async with aiohttp.ClientSession() as s:
+        rows = await workers(s, base)
+    return len(rows) == 2 and all(w["healthy"] and listening_pids(port_of(w["url"])) for w in rows)
+
+
+def _wait_both_serving(base: str, timeout_s: float = 120) -> None:
+    """A previous test killed a worker: wait until Ray has restarted it and the gateway routes to it."""
+    deadline = time.monotonic() + timeout_s
+    while not asyncio.run(_both_serving(base)):
+        assert time.monotonic() < deadline, "the killed worker did not come back"
+        time.sleep(0.5)
+
+
+def _kill(base: str, worker: str, killed: dict) -> None:
+    killed["pid"] = asyncio.run(_pid_of(base, worker))
+    os.kill(killed["pid"], signal.SIGKILL)
+    killed["worker"] = worker
+
+
 def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
     base = two_engines.base
+    _wait_both_serving(base)
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
     expected, finish, whole_usage, _ = _stream(client)
     assert finish == "length" and whole_usage.completion_tokens == MAX_TOKENS and expected
@@ -96,9 +119,7 @@ def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
 
     def kill_at_chunk(n: int, worker: str) -> None:
         if n == 8 and not killed:
-            killed["pid"] = asyncio.run(_pid_of(base, worker))
-            os.kill(killed["pid"], signal.SIGKILL)
-            killed["at_chunk"], killed["worker"], killed["t"] = n, worker, time.monotonic()
+            _kill(base, worker, killed)
 
     before = _migrations(base)
     text, finish, usage, worker = _stream(client, kill_at_chunk)
@@ -106,6 +127,39 @@ def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
     assert text == expected
     assert finish == "length"
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
+    assert _migrations(base) == before + 1
+
+
+def test_anthropic_stream_survives_a_killed_worker(two_engines):
+    """The Messages API runs the same relay: its stream moves too, and its events stay in order."""
+    import anthropic
+
+    base = two_engines.base
+    _wait_both_serving(base)
+    client = anthropic.Anthropic(base_url=base, api_key="none", timeout=120, max_retries=0)
+    ask = dict(model="gemma-3-270m", max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+               messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+
+    def run(kill: bool):
+        killed: dict = {}
+        with client.messages.stream(**ask) as s:
+            worker = s.response.headers["x-pulse-worker"]
+            kinds = []
+            for event in s:
+                kinds.append(event.type)
+                if kill and len(kinds) == 10 and not killed:
+                    _kill(base, worker, killed)
+            return s.get_final_text(), s.get_final_message(), kinds, killed
+
+    expected, whole, _, _ = run(False)
+    assert whole.stop_reason == "max_tokens", "the undisturbed answer must outlast the kill point"
+    _wait_both_serving(base)
+    before = _migrations(base)
+    text, final, kinds, killed = run(True)
+    assert killed, "the stream ended before its worker could be killed"
+    assert text == expected and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == whole.usage.output_tokens == MAX_TOKENS
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"] and "error" not in kinds
     assert _migrations(base) == before + 1
 
 
