@@ -128,7 +128,7 @@ def llama_argv(args, port: int) -> list[str]:
     flags = builtin_profiles()[args.profile or "h200"].llama_server_args
     slots = max(args.clients)
     return [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-ngl", "99",
-            "-np", str(slots), "-c", str(slots * args.slot_tokens), *flags]
+            "-np", str(slots), "-c", str(slots * args.slot_tokens), *flags, *args.llama_args.split()]
 
 
 def first_model(base: str) -> str:
@@ -211,6 +211,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="the Pulse engine's device")
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
+    ap.add_argument("--llama-args", default="", help=(
+        "more llama-server flags for the `llama` target, one string (e.g. '--backend-sampling': llama.cpp's "
+        "experimental sampling on the GPU; without it llama-server samples on the CPU, one thread for all "
+        "slots, over the whole vocabulary)"))
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
     protocol.add_arguments(ap, RESULTS)
