@@ -257,9 +257,9 @@ async def _migrations(session: aiohttp.ClientSession, base: str) -> dict[str, fl
 
 
 async def _both_serving(session: aiohttp.ClientSession, base: str) -> bool:
-    """Both workers healthy in the gateway's view, each at an address a live process listens on."""
+    """Both workers routable in the gateway's view (healthy, circuit closed), each where a live process listens."""
     rows = await workers(session, base)
-    return len(rows) == 2 and all(w["healthy"] and listening_pids(port_of(w["url"])) for w in rows)
+    return len(rows) == 2 and all(w["routable"] and listening_pids(port_of(w["url"])) for w in rows)
 
 
 async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progress: bool = False) -> dict:

@@ -111,9 +111,11 @@ class Gateway:
         import msgspec
 
         await self.service.auth.authenticate(request.headers.get("Authorization"), admin=True)
+        now = time.monotonic()
         rows = [{"worker_id": w.worker_id, "url": w.info.url, "node_id": w.info.node_id, "device": w.info.device,
                  "backend": w.info.backend, "model": w.info.model,
-                 "healthy": w.healthy, "inflight": w.inflight, "stats": msgspec.to_builtins(w.stats)}
+                 "healthy": w.healthy, "routable": w.routable(now), "inflight": w.inflight,
+                 "stats": msgspec.to_builtins(w.stats)}
                 for w in self.pool.workers.values()]
         return web.json_response({"workers": rows})
 

@@ -184,6 +184,8 @@ class WorkerPool:
             try:
                 for info in await self._discover(worker_id):
                     state = self.workers.setdefault(info.worker_id, WorkerState(info))
+                    if info.url != state.info.url:  # a new process (Ray restarted it): the old one's failures
+                        state.failures, state.open_until = 0, 0.0  # do not keep the new one out of routing
                     state.info = info
                     await self._poll(state, rediscover=False)
             except Exception as e:  # the worker may still be restarting: the next poll tries again

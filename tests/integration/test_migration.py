@@ -91,7 +91,7 @@ async def _both_serving(base: str) -> bool:
 
     async with aiohttp.ClientSession() as s:
         rows = await workers(s, base)
-    return len(rows) == 2 and all(w["healthy"] and listening_pids(port_of(w["url"])) for w in rows)
+    return len(rows) == 2 and all(w["routable"] and listening_pids(port_of(w["url"])) for w in rows)
 
 
 def _wait_both_serving(base: str, timeout_s: float = 120) -> None:
