@@ -134,14 +134,15 @@ def encode(info, text: str) -> list[int]:
 def fixed_k(k: int):
     from policy.profiles import DeviceProfile, SpeculationRule
 
-    return DeviceProfile(name=f"fixed-{k}", max_draft_tokens=k, speculation=[SpeculationRule(max_context=10**9, k=k)])
+    return DeviceProfile(name=f"fixed-{k}", max_draft_tokens=k, speculation=[SpeculationRule(max_context=10**9, k=k)],
+                         speculation_gate=False)
 
 
 def set_policy(engine, profile) -> None:
     """Speculation under `profile` (None: the plain engine, no speculator at all)."""
     from workers.cupy.speculative import Speculator
 
-    engine.speculator = None if profile is None else Speculator(profile)
+    engine.speculator = None if profile is None else Speculator(profile, gate=profile.speculation_gate)
 
 
 def decode(engine, requests) -> dict:

@@ -41,6 +41,9 @@ class DeviceProfile(PulseModel):
     draft_token_cost: float = Field(0.05, ge=0, description=(
         "Cost of one more token in a step, as a fraction of a batch-1 decode step: what a draft token costs "
         "when speculation weighs it against its expected acceptance (policy.speculation.choose_depth)."))
+    speculation_gate: bool = Field(True, description=(
+        "Time decode steps with prompt-lookup drafting on and off per concurrency and keep the faster "
+        "(policy.speculation.SpeculationGate); false: draft wherever the table and acceptance say."))
     llama_server_args: list[str] = Field(default_factory=list, description="llama-server flags for this box.")
     llama_server_slots: int = Field(4, ge=1, description="llama-server -np.")
     source: str = Field("", description="Where the figures come from (command, document).")

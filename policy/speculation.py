@@ -14,8 +14,18 @@ That K is a cap. `choose_depth` then picks each sequence's depth in 0..K from it
 by draft position (`Acceptance`): the depth that gives the most tokens per unit of step cost, where a
 draft token costs the profile's `draft_token_cost` of a batch-1 step. Text whose drafts are rejected
 falls to depth 0 (a 1-token probe every PROBE_EVERY steps lets it come back); a code edit stays at K.
+
+`SpeculationGate` sits above both: per concurrency bucket it times the engine's decode steps with
+prompt-lookup drafting on and with it off, and keeps the one that emitted more tokens per second,
+re-trying the other every few epochs. The cost model above is a guess per device (`draft_token_cost`);
+the gate is the measurement. On the H200 the model said "draft" where drafting cost 25-40% (story text at
+32 streams, temperature 1 at 1-8 streams: BENCHMARKS.md, served table), because a verify step costs more
+than its extra tokens (another graph, the batch's other sequences wait for it) and no per-token constant
+describes that.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from policy.profiles import DeviceProfile
 
@@ -104,3 +114,77 @@ def choose_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token
     else:
         acceptance.idle = 0
     return best
+
+
+# The gate: decode steps are timed in epochs of GATE_EPOCH_STEPS steps, all with drafting on or all off;
+# every GATE_EXPLORE_EVERY-th epoch of a bucket runs the mode that measured worse, so a change in the
+# traffic (text turning into a code edit) is noticed. Each mode's rate is a moving average over epochs.
+GATE_EPOCH_STEPS = 16
+GATE_EXPLORE_EVERY = 8
+GATE_ALPHA = 0.5
+
+
+@dataclass
+class _GateBucket:
+    drafting: bool = True  # the mode of the epoch under way
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    epochs: int = 0
+    rate: dict = field(default_factory=dict)  # {drafting: tokens per second}
+
+
+class SpeculationGate:
+    """Per concurrency bucket (1, 2-3, 4-7, ... sequences running), whether prompt-lookup drafting pays on
+    this device and traffic now, from the engine's own decode-step timings.
+
+        if gate.drafting(running): ...draft...
+        gate.observe(running, drafting, tokens_emitted, step_seconds)   # decode-only steps
+
+    Pure bookkeeping (the caller times the steps), so a test can drive it with any timings."""
+
+    def __init__(self, epoch_steps: int = GATE_EPOCH_STEPS, explore_every: int = GATE_EXPLORE_EVERY):
+        self.epoch_steps = max(1, epoch_steps)
+        self.explore_every = max(2, explore_every)
+        self._buckets: dict[int, _GateBucket] = {}
+
+    @staticmethod
+    def bucket(concurrency: int) -> int:
+        return max(1, concurrency).bit_length()
+
+    def _state(self, concurrency: int) -> _GateBucket:
+        b = self.bucket(concurrency)
+        st = self._buckets.get(b)
+        if st is None:
+            st = self._buckets[b] = _GateBucket()
+        return st
+
+    def drafting(self, concurrency: int) -> bool:
+        return self._state(concurrency).drafting
+
+    def observe(self, concurrency: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """One decode step of the bucket, in mode `drafting` (a step of the other mode, from a bucket's
+        switch between a step's draft and its timing, is dropped), that emitted `tokens` in `seconds`."""
+        st = self._state(concurrency)
+        if drafting != st.drafting or seconds <= 0:
+            return
+        st.steps += 1
+        st.tokens += tokens
+        st.seconds += seconds
+        if st.steps < self.epoch_steps:
+            return
+        rate = st.tokens / st.seconds
+        old = st.rate.get(st.drafting)
+        st.rate[st.drafting] = rate if old is None else old + GATE_ALPHA * (rate - old)
+        st.epochs += 1
+        st.steps, st.tokens, st.seconds = 0, 0, 0.0
+        if len(st.rate) < 2:  # measure the mode not yet seen
+            st.drafting = not st.drafting
+            return
+        best = st.rate[True] >= st.rate[False]
+        st.drafting = (not best) if st.epochs % self.explore_every == 0 else best
+
+    def snapshot(self) -> dict:
+        """{bucket's lowest concurrency: {"drafting": mode now, "on": tok/s, "off": tok/s}} for /stats."""
+        return {1 << (b - 1): {"drafting": st.drafting, "on": st.rate.get(True), "off": st.rate.get(False)}
+                for b, st in sorted(self._buckets.items())}

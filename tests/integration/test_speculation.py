@@ -248,3 +248,28 @@ async def test_backend_stop_strings_usage_and_stats(prompts):
         assert sum(stats.accepted_by_position) > 0 and len(stats.drafted_by_position) == 4
     finally:
         await backend.close()
+
+
+def test_the_gate_times_real_steps_in_both_modes_and_changes_no_token(prompts, reference):
+    """With the gate (what `pulse serve` runs), the engine's decode steps are timed with drafting on and
+    off in alternating epochs; tokens are the reference's whatever the mode; a request's prediction still
+    drafts while the gate has drafting from the context off."""
+    from policy.speculation import SpeculationGate
+
+    engine = spec_engine(4)
+    spec = engine.speculator
+    spec.gate = SpeculationGate(epoch_steps=2, explore_every=2)
+    tokens, finals = generate(engine, prompts, 24)
+    assert tokens == reference
+    bucket = spec.gate.snapshot()[2]  # 3 sequences decoding: the 2-3 bucket
+    assert bucket["on"] > 0 and bucket["off"] > 0  # real step timings, tokens per second
+    assert finals[0].drafted_tokens > 0
+
+    engine = spec_engine(4)
+    spec = engine.speculator
+    spec.gate = SpeculationGate(epoch_steps=1, explore_every=2)
+    spec.gate._state(1).drafting = False  # as if drafting had measured slower for one stream
+    spec.gate._state(1).rate = {True: 1.0, False: 2.0}
+    (tokens,), (final,) = generate(engine, prompts[:1], 24, prediction_ids=encode(SOURCE)[1:])
+    assert tokens == reference[0]
+    assert final.accepted_tokens >= 8

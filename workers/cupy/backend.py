@@ -100,7 +100,7 @@ class EngineBackend(Backend):
         if self._engine_cfg.speculation:
             from workers.cupy.speculative import Speculator
 
-            engine.speculator = Speculator(self._profile)
+            engine.speculator = Speculator(self._profile, gate=self._profile.speculation_gate)
         return engine, tokenizer
 
     async def close(self) -> None:
@@ -138,7 +138,9 @@ class EngineBackend(Backend):
             **({} if spec is None else {
                 "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
                 "drafted_by_position": list(spec.drafted_by_position),
-                "accepted_by_position": list(spec.accepted_by_position)}),
+                "accepted_by_position": list(spec.accepted_by_position),
+                "speculation_gate": ({} if spec.gate is None
+                                     else {str(c): v for c, v in spec.gate.snapshot().items()})}),
             running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
             slots=eng.scheduler.max_num_seqs, kv_blocks_total=eng.blocks.num_blocks,
             kv_blocks_used=eng.blocks.pressure_used, block_size=eng.blocks.block_size, tokens_per_s=gen,

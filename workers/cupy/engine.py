@@ -102,6 +102,7 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self.blocks.flush_events()
@@ -120,6 +121,8 @@ class Engine:
             prefilled = batch.num_tokens - len(outputs)
         self.blocks.flush_events()
         self._record(outputs, prefilled)
+        if self.speculator is not None:
+            self.speculator.observe(sum(len(o.token_ids) for o in outputs), prefilled, time.perf_counter() - t0)
         return outputs
 
     def _record(self, outputs: list[StepOutput], prefilled: int) -> None:

@@ -18,7 +18,9 @@ probability p_i(d(i+1)), and on rejection the token follows p_i with d(i+1) remo
 
 The depth each sequence drafts at comes from the profile's table (policy.speculation.choose_k) and
 that sequence's own acceptance so far (choose_depth): drafts that stop paying fall to 0, with a probe
-now and then.
+now and then. Above both, the worker's SpeculationGate (policy/speculation.py) times decode steps with
+prompt-lookup drafting on and off at each concurrency and turns it off where it measured slower; a
+request's own prediction (Predicted Outputs) drafts in either mode.
 
 Rollback: rejected drafts' K/V were written at positions past the kept ones; the sequence's computed
 length is set to the kept tokens, so attention never reads them, later tokens overwrite them, and blocks
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy.profiles import DeviceProfile
-from policy.speculation import SCHEMA, TEXT, Acceptance, choose_depth, choose_k
+from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k
 from workers.cupy.batch import build_batch
 from workers.cupy.drafter import Drafter
 from workers.cupy.sequence import Sequence
@@ -47,8 +49,12 @@ class _SeqSpec:
 class Speculator:
     """The engine's speculation: per-request drafters, the policy call, verification, and counters."""
 
-    def __init__(self, profile: DeviceProfile):
+    def __init__(self, profile: DeviceProfile, gate: bool = False):
+        """`gate`: time decode steps and draft from the context only where that measured faster
+        (SpeculationGate); the backend turns it on from the profile (`speculation_gate`)."""
         self.profile = profile
+        self.gate = SpeculationGate() if gate else None
+        self._timed: tuple[int, bool] | None = None  # (running, drafting mode) of the step being timed
         self._seqs: dict[str, _SeqSpec] = {}
         width = max(profile.max_draft_tokens, 1)
         self.last_k: int | None = None  # the largest K chosen in the latest decode step
@@ -68,12 +74,18 @@ class Speculator:
             del self._seqs[rid]
         running = len(engine.scheduler.running)
         budget = engine.scheduler.max_step_tokens - sum(n for _, n in scheduled)
-        drafts, ks = {}, []
+        mode = self.gate.drafting(running) if self.gate is not None else True
+        drafts, ks, eligible = {}, [], False
         for b, (seq, n) in enumerate(scheduled):
             spec = self._seqs.get(seq.request_id)
             if spec is None or n != 1 or seq.num_remaining != 1:
                 continue  # only sequences decoding their next token draft (not prefill chunks)
             cap = choose_k(len(seq.token_ids), running, spec.workload, self.profile, spec.cap)
+            if cap > 0 and not spec.drafter.prediction.size:
+                eligible = True  # this step is one the gate's mode decides
+                if not mode:  # the gate measured drafting from the context slower at this concurrency
+                    ks.append(0)
+                    continue
             k = choose_depth(cap, spec.acceptance, running, self.profile.draft_token_cost)
             ks.append(k)
             # drafts past the token limit could never be emitted; the step's token budget bounds its time
@@ -91,7 +103,18 @@ class Speculator:
             self.steps_by_k[min(k, len(self.steps_by_k) - 1)] += 1
         if ks:
             self.last_k = max(ks)
+        # timed: steps where some sequence could draft from its context (a step of requests with
+        # max_draft_tokens 0 says nothing about drafting), except an off-mode step that verifies a
+        # prediction's drafts, which is neither mode's cost
+        timed = self.gate is not None and eligible and (mode or not drafts)
+        self._timed = (running, mode) if timed else None
         return drafts
+
+    def observe(self, tokens: int, prefilled: int, seconds: float) -> None:
+        """The step `propose` began took `seconds` and emitted `tokens`; decode-only steps feed the gate."""
+        timed, self._timed = self._timed, None
+        if timed is not None and not prefilled:
+            self.gate.observe(timed[0], timed[1], tokens, seconds)
 
     # --- verification ------------------------------------------------------------------------------
     def verify(self, engine, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]]):

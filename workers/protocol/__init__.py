@@ -100,6 +100,8 @@ class BackendStats(msgspec.Struct):
     steps_by_k: list[int] = []  # cumulative decode steps at each K (index = K)
     drafted_by_position: list[int] = []  # cumulative; index 0 is draft position 1
     accepted_by_position: list[int] = []
+    # the speculation gate by concurrency bucket: {"1": {"drafting": bool, "on": tok/s, "off": tok/s}, ...}
+    speculation_gate: dict[str, dict] = {}
     pipeline_transport: str = ""  # pipelined engine: how activations move between stages ("" = no pipeline)
     pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops
     pipeline_transfer_bytes: int = 0  # cumulative

@@ -1,0 +1,66 @@
+"""The speculation gate (policy.speculation.SpeculationGate): per concurrency bucket, prompt-lookup drafting
+stays on only where the engine's own decode steps measured faster with it. Driven with step timings
+given here (the gate only keeps books; the engine's timing of real steps is in test_speculation.py)."""
+from __future__ import annotations
+
+import pytest
+
+from policy.speculation import SpeculationGate
+
+EPOCH, EXPLORE = 4, 8
+
+
+def run(gate: SpeculationGate, concurrency: int, steps: int, rate_on: float, rate_off: float) -> list[bool]:
+    """`steps` decode steps at `concurrency`, each emitting `concurrency` tokens at the mode's rate
+    (tokens per second); the mode of each step."""
+    modes = []
+    for _ in range(steps):
+        on = gate.drafting(concurrency)
+        modes.append(on)
+        gate.observe(concurrency, on, concurrency, concurrency / (rate_on if on else rate_off))
+    return modes
+
+
+def test_starts_drafting_then_measures_the_other_mode():
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    modes = run(gate, 1, 2 * EPOCH, 100.0, 150.0)
+    assert modes == [True] * EPOCH + [False] * EPOCH
+    snap = gate.snapshot()[1]
+    assert snap["on"] == pytest.approx(100.0) and snap["off"] == pytest.approx(150.0)
+
+
+@pytest.mark.parametrize("rate_on, rate_off, keep", [(100.0, 150.0, False), (300.0, 100.0, True)])
+def test_keeps_the_faster_mode_and_explores_the_other_rarely(rate_on, rate_off, keep):
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    modes = run(gate, 1, 2 * EPOCH + 40 * EPOCH, rate_on, rate_off)[2 * EPOCH:]
+    epochs = [modes[i] for i in range(0, len(modes), EPOCH)]
+    assert all(len(set(modes[i:i + EPOCH])) == 1 for i in range(0, len(modes), EPOCH))  # whole epochs
+    kept = sum(m == keep for m in epochs)
+    assert kept == len(epochs) - len(epochs) // EXPLORE  # one epoch in EXPLORE re-tries the other mode
+
+
+def test_follows_a_change_in_the_traffic():
+    """Text (drafting loses), then a code edit (drafting wins): the exploring epochs see the change."""
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    run(gate, 1, 20 * EPOCH, 100.0, 150.0)
+    assert not gate.drafting(1)
+    modes = run(gate, 1, 40 * EPOCH, 400.0, 150.0)
+    assert all(modes[-EXPLORE * EPOCH + EPOCH:][:EPOCH])  # on again well before the end
+    assert sum(modes[-EXPLORE * EPOCH:]) >= (EXPLORE - 1) * EPOCH
+
+
+def test_buckets_are_independent():
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    run(gate, 1, 20 * EPOCH, 300.0, 100.0)  # one stream: drafting pays
+    run(gate, 32, 20 * EPOCH, 5000.0, 9000.0)  # 32 streams: it does not
+    assert gate.snapshot()[1]["on"] > gate.snapshot()[1]["off"]
+    assert gate.snapshot()[32]["off"] > gate.snapshot()[32]["on"]
+    assert gate.bucket(32) == gate.bucket(63) != gate.bucket(64)
+
+
+def test_steps_of_the_other_mode_and_empty_timings_are_not_counted():
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    for _ in range(3 * EPOCH):
+        gate.observe(1, False, 1, 0.01)  # the bucket is drafting: an off step is someone else's
+        gate.observe(1, True, 1, 0.0)
+    assert gate.drafting(1) and gate.snapshot()[1]["on"] is None
