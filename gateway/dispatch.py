@@ -71,7 +71,9 @@ class Dispatcher:
                 self._forget(w, routed)
                 self.gate.leave()
                 last = e
-                if e.status < 500 and e.status != 429:
+                # 429: that worker is full; 421: it does not hold the model (the gateway's view of it was
+                # stale, e.g. a worker restarted with another model): both try another worker
+                if e.status < 500 and e.status not in (421, 429):
                     raise APIError(e.status, e.message, code=e.code) from None
                 continue
             except BaseException:

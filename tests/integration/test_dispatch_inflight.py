@@ -102,3 +102,36 @@ async def test_a_refusal_before_output_withdraws_the_provisional_blocks():
         dispatcher.close(busy)
     finally:
         await _teardown(servers, pool)
+
+
+async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_the_client():
+    """The gateway's view says both workers hold m-a, but w1 holds m-b (restarted with another model):
+    a request routed there (its prefix is indexed at w1, so the router prefers it) gets w1's 421 and is
+    opened on w0 instead of failing."""
+    config = _config(tokens_per_s=200.0)
+    servers, infos = [], []
+    for i, held in enumerate(("m-a", "m-b")):
+        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}", models=(held,))
+        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret,
+                                model="m-a"))
+        servers.append(srv)
+
+    async def discover(worker_id):
+        return [i for i in infos if worker_id in (None, i.worker_id)]
+
+    pool = WorkerPool(discover, poll_interval_s=30)
+    await pool.start()
+    index = MemoryPrefixIndex()
+    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission),
+                            GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768,
+                            index=index)
+    try:
+        await index.publish("w1", chain_hashes(PROMPT, 16), "gpu")
+        gen = GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4, model="m-a")
+        assert (await dispatcher.router.choose(list(pool.routable()), gen)).worker.worker_id == "w1"
+        ticket = await dispatcher.open(gen)
+        assert ticket.worker.worker_id == "w0"
+        assert ticket.first and not ticket.first[0].error
+        dispatcher.close(ticket)
+    finally:
+        await _teardown(servers, pool)
