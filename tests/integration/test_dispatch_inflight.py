@@ -37,11 +37,14 @@ def _config(tokens_per_s: float, slots: int = 64) -> PulseConfig:
                                                                 "slots": slots}}})
 
 
-async def _setup(config: PulseConfig, n: int = 2):
+async def _setup(config: PulseConfig, n: int = 2, models: list[tuple[str, str]] | None = None):
+    """`models`: per worker, (the model it holds, the model the gateway's view says it holds)."""
     servers, infos = [], []
-    for i in range(n):
-        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}")
-        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret))
+    for i, (held, seen) in enumerate(models or [("", "")] * n):
+        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}",
+                           models=(held,) if held else ())
+        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret,
+                                model=seen))
         servers.append(srv)
 
     async def discover(worker_id):
@@ -108,23 +111,8 @@ async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_
     """The gateway's view says both workers hold m-a, but w1 holds m-b (restarted with another model):
     a request routed there (its prefix is indexed at w1, so the router prefers it) gets w1's 421 and is
     opened on w0 instead of failing."""
-    config = _config(tokens_per_s=200.0)
-    servers, infos = [], []
-    for i, held in enumerate(("m-a", "m-b")):
-        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}", models=(held,))
-        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret,
-                                model="m-a"))
-        servers.append(srv)
-
-    async def discover(worker_id):
-        return [i for i in infos if worker_id in (None, i.worker_id)]
-
-    pool = WorkerPool(discover, poll_interval_s=30)
-    await pool.start()
-    index = MemoryPrefixIndex()
-    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission),
-                            GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768,
-                            index=index)
+    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=200.0),
+                                                    models=[("m-a", "m-a"), ("m-b", "m-a")])
     try:
         await index.publish("w1", chain_hashes(PROMPT, 16), "gpu")
         gen = GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4, model="m-a")
