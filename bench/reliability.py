@@ -314,15 +314,22 @@ def kill_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def run_kill(args: argparse.Namespace) -> int:
+def start_serve(out, kind: str, config_text: str):
+    """`pulse serve` on a free port with `config_text` (written as reliability-KIND-STAMP.yaml, logs in
+    logs-reliability-KIND-STAMP): (stamp, port, its Proc, the machine before it started)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    args.out.mkdir(parents=True, exist_ok=True)
-    cfg = args.out / f"reliability-kill-{stamp}.yaml"
-    cfg.write_text(kill_config(args.streams, args.backend))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = out / f"reliability-{kind}-{stamp}.yaml"
+    cfg.write_text(config_text)
     port = free_port()
     before = machine_info()
     proc = Proc("pulse-serve", python_module("pulse.cli", "serve", "--port", str(port), "--config", str(cfg)),
-                args.out / f"logs-reliability-kill-{stamp}")
+                out / f"logs-reliability-{kind}-{stamp}")
+    return stamp, port, proc, before
+
+
+def run_kill(args: argparse.Namespace) -> int:
+    stamp, port, proc, before = start_serve(args.out, "kill", kill_config(args.streams, args.backend))
     try:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", 300)
         doc = asyncio.run(drive_kill(f"http://127.0.0.1:{port}", args.streams, args.tokens, args.repeats,
@@ -340,14 +347,7 @@ def run_kill(args: argparse.Namespace) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     soak = Soak(args.streams, args.seconds, args.warmup, args.tokens, args.tokens_per_s)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    args.out.mkdir(parents=True, exist_ok=True)
-    cfg = args.out / f"reliability-load-{stamp}.yaml"
-    cfg.write_text(server_config(soak))
-    port = free_port()
-    before = machine_info()
-    proc = Proc("pulse-serve", python_module("pulse.cli", "serve", "--port", str(port), "--config", str(cfg)),
-                args.out / f"logs-reliability-{stamp}")
+    stamp, port, proc, before = start_serve(args.out, "load", server_config(soak))
     try:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", 240)
         doc = loops.run(drive(f"http://127.0.0.1:{port}", soak, progress=not args.quiet), args.loop)
