@@ -128,7 +128,7 @@ GATE_ALPHA = 0.5
 class _GateBucket:
     drafting: bool = True  # the mode of the epoch under way
     steps: int = 0
-    tokens: int = 0
+    tokens: float = 0.0  # tokens per running sequence, summed over the epoch's steps
     seconds: float = 0.0
     epochs: int = 0
     rate: dict = field(default_factory=dict)  # {drafting: tokens per second}
@@ -169,7 +169,9 @@ class SpeculationGate:
         if drafting != st.drafting or seconds <= 0:
             return
         st.steps += 1
-        st.tokens += tokens
+        # per running sequence: a bucket spans up to 2x in batch size, and an epoch at the top of it would
+        # otherwise out-run one at the bottom whatever the mode
+        st.tokens += tokens / max(1, concurrency)
         st.seconds += seconds
         if st.steps < self.epoch_steps:
             return
@@ -177,7 +179,7 @@ class SpeculationGate:
         old = st.rate.get(st.drafting)
         st.rate[st.drafting] = rate if old is None else old + GATE_ALPHA * (rate - old)
         st.epochs += 1
-        st.steps, st.tokens, st.seconds = 0, 0, 0.0
+        st.steps, st.tokens, st.seconds = 0, 0.0, 0.0
         if len(st.rate) < 2:  # measure the mode not yet seen
             st.drafting = not st.drafting
             return
@@ -185,6 +187,7 @@ class SpeculationGate:
         st.drafting = (not best) if st.epochs % self.explore_every == 0 else best
 
     def snapshot(self) -> dict:
-        """{bucket's lowest concurrency: {"drafting": mode now, "on": tok/s, "off": tok/s}} for /stats."""
+        """{bucket's lowest concurrency: {"drafting": mode now, "on": tok/s, "off": tok/s}} for /stats
+        (tokens per second per running sequence)."""
         return {1 << (b - 1): {"drafting": st.drafting, "on": st.rate.get(True), "off": st.rate.get(False)}
                 for b, st in sorted(self._buckets.items())}

@@ -64,3 +64,14 @@ def test_steps_of_the_other_mode_and_empty_timings_are_not_counted():
         gate.observe(1, False, 1, 0.01)  # the bucket is drafting: an off step is someone else's
         gate.observe(1, True, 1, 0.0)
     assert gate.drafting(1) and gate.snapshot()[1]["on"] is None
+
+
+def test_rates_are_per_running_sequence_so_a_bigger_batch_in_the_bucket_does_not_win():
+    """32 and 63 sequences share a bucket: drafting measured at 32, plain decoding at 63, each step the same
+    time, is a tie per sequence, not a 2x win for whichever mode ran the bigger batch."""
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    for conc in (32, 63):
+        for _ in range(EPOCH):
+            gate.observe(conc, gate.drafting(conc), conc, 0.01)
+    snap = gate.snapshot()[32]
+    assert snap["on"] == pytest.approx(snap["off"]) == pytest.approx(100.0)
