@@ -120,17 +120,19 @@ class Engine:
             outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
             prefilled = batch.num_tokens - len(outputs)
         self.blocks.flush_events()
-        self._record(outputs, prefilled)
+        emitted = self._record(outputs, prefilled)
         if self.speculator is not None:
-            self.speculator.observe(sum(len(o.token_ids) for o in outputs), prefilled, time.perf_counter() - t0)
+            self.speculator.observe(emitted, prefilled, time.perf_counter() - t0)
         return outputs
 
-    def _record(self, outputs: list[StepOutput], prefilled: int) -> None:
-        """A finished step's generated and prefilled tokens, for rates()."""
+    def _record(self, outputs: list[StepOutput], prefilled: int) -> int:
+        """A finished step's generated and prefilled tokens, for rates(); returns the generated count."""
         now = time.monotonic()
-        self._recent.append((now, sum(len(o.token_ids) for o in outputs), prefilled))
+        emitted = sum(len(o.token_ids) for o in outputs)
+        self._recent.append((now, emitted, prefilled))
         while now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
+        return emitted
 
     def sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
         """The sampler's row for `seq`'s generated token number num_output + ahead."""
