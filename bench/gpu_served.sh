@@ -9,7 +9,10 @@
 #
 # Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
 # clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the
-# summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes.
+# summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes, TARGETS the targets.
+# The sweep past 64 clients with the engine alone beside it (issue 25), one call:
+#   TARGETS=pulse SERVED_ARGS="--clients 1 16 64 128 256 512 1000 --per-client 2 --repeats 2 --warmup 1
+#     --duration 60 --timeout 120 --engine-alone" bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
@@ -19,13 +22,16 @@ mkdir -p "$res"
 export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
 touch -d @1700000000 "$model"
 mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
-for i in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
-targets="pulse pulse-k0"
-[[ $(cat /root/lb/build.rc 2>/dev/null) == 0 ]] && targets="$targets llama" || echo "no llama-server build: Pulse only"
+targets=${TARGETS:-pulse pulse-k0 llama}
+[[ $targets == *llama* ]] && for i in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+if [[ $targets == *llama* && $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
+  echo "no llama-server build: Pulse only"; targets=${targets/llama/}
+fi
 timeout "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
   --device cuda --profile h200 --targets $targets --workloads "$workload" --out "$res" --quiet \
   ${SERVED_ARGS:---clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 3 --warmup 1 --duration 15 --timeout 60} \
   2>&1 | tail -40
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
 cp "$res"/served-logs-*/records.jsonl "${OUT:-/tmp}/records-$workload.jsonl" 2>/dev/null
+cp "$res"/served-logs-*/engine_alone.json "${OUT:-/tmp}/engine_alone-$workload.json" 2>/dev/null
 cp "$res"/served-*.json "$res"/served-*.md "$res"/served-*.png "${OUT:-/tmp}/" 2>/dev/null

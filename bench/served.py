@@ -17,6 +17,9 @@ minutes, llama-server's 32- and 64-client runs the longest): on a time-limited m
 call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
 p99. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
 table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
+`--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
+batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling
+the served path is measured against (`pulse/engine`).
 """
 from __future__ import annotations
 
@@ -217,11 +220,33 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "slots, over the whole vocabulary)"))
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
+    ap.add_argument("--engine-alone", action="store_true", help=(
+        "after the served runs, the engine alone at the same batches (bench/engine_batches.py; story prompts)"))
     protocol.add_arguments(ap, RESULTS)
     args = ap.parse_args(argv)
     if "llama" in args.targets and not (args.llama_server and args.model):
         ap.error("the llama target needs --llama-server and --model")
+    if args.engine_alone and "story" not in args.workloads:
+        ap.error("--engine-alone measures the story workload: include it in --workloads")
     return args
+
+
+def engine_alone(args, log_dir: Path) -> dict:
+    """bench/engine_batches.py in its own process (the servers are stopped, the GPU is free): its summaries
+    keyed as the `engine` target's story configurations."""
+    import subprocess
+
+    out = log_dir / "engine_alone.json"
+    argv = [sys.executable, "-m", "bench.engine_batches", "--batches", *map(str, args.clients), "--sampling",
+            *args.sampling, "--tokens", str(args.tokens), "--per-client", str(args.per_client), "--repeats",
+            str(args.repeats), "--device", args.device, "--json", str(out)]
+    argv += ["--model", args.model] if args.model else []
+    argv += ["--profile", args.profile] if args.profile else []
+    argv += [] if "pulse" in args.targets else ["--no-speculation"]  # like for like with pulse-k0 alone
+    subprocess.run(argv, check=True, cwd=REPO)
+    cells = json.loads(out.read_text())["cells"]
+    return {config_name("engine", "story", s, c): {"tok_s": cells[f"{s}/b{c}"]}
+            for s in args.sampling for c in args.clients if f"{s}/b{c}" in cells}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,11 +261,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for w in args.workloads for s in args.sampling for c in args.clients for t in args.targets}
         records = loops.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet), args.loop)
     summary = protocol.summarize(records)
+    if args.engine_alone:
+        summary.update(engine_alone(args, log_dir))
+        args.targets = [*args.targets, "engine"]
     verdict = [pivot(summary, args), ""]
-    if "pulse" in args.targets:
-        for other in ("pulse-k0", "llama"):
-            if other in args.targets:
-                verdict += ratios(summary, args, "pulse", other)
+    for num in ("pulse", "pulse-k0"):
+        if num in args.targets:
+            for other in ("pulse-k0", "llama", "engine"):
+                if other in args.targets and other != num:
+                    verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,
                      PLOT_METRICS, args.out)
     return 0

@@ -28,3 +28,17 @@ def test_pivot_has_a_row_per_cell_and_a_column_group_per_target():
     table = pivot(summary, A).splitlines()
     assert len(table) == 2 + 4
     assert "900 (800–1,000)" in next(line for line in table if "| t1 | 8 |" in line)
+
+
+def test_engine_alone_runs_every_client_request_to_its_length():
+    """bench/engine_batches.py's closed loop on the real engine (NumPy here): each of 2 clients sends its 2
+    requests one after the other, and every request generates exactly its tokens (ignore_eos)."""
+    from bench.engine_batches import build_engine, run_cell
+
+    engine, tokenizer, info = build_engine(None, "cpu", "cpu", 2, speculation=True)
+    _, texts = prompts("story", 4)
+    ids = [[info.bos_token_id] + tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    generated, seconds = run_cell(engine, ids, batch=2, per_client=2, tokens=3, sampling={"temperature": 1.0},
+                                  tag="t")
+    assert generated == 2 * 2 * 3 and seconds > 0
+    assert not engine.has_work()
