@@ -17,7 +17,7 @@ set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
 model=$home/model/gemma-3-270m-q4_k_m.gguf
-res=/tmp/served-$workload
+res=/tmp/served-$workload-$(date +%s)  # one folder per call: several calls share the machine
 mkdir -p "$res"
 export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
 touch -d @1700000000 "$model"
