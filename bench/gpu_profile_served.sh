@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Where the served path spends its CPU on the H200 (issue 25): py-spy samples the worker actor and the gateway
+# replicas while bench/served.py holds C clients on `pulse serve --backend cupy` (h200 profile, greedy story
+# prompts, 128 tokens, PER_CLIENT requests per client). Staged as for bench/gpu_served.sh, plus py-spy (a static
+# binary) at $PULSE_DEVICE_HOME/py-spy. One call:
+#
+#   CLIENTS="64 256" bash bench/gpu_profile_served.sh     # -> $OUT/profile-c<C>/spy-<pid>.txt (collapsed stacks)
+#
+# py-spy starts once the warm-up run has landed in records.jsonl, so it samples the first measured run
+# (--nonblocking: it never pauses the process it reads; --threads: the engine thread and the event loop's apart).
+# Each process's CPU time over the sampled window is read from /proc beside it (cpu-<pid>.txt).
+set -u
+home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+spy=${PY_SPY:-$home/py-spy}
+model=$home/model/gemma-3-270m-q4_k_m.gguf
+export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+touch -d @1700000000 "$model"
+mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }  # utime + stime, clock ticks
+
+for clients in ${CLIENTS:-256}; do
+  out=${OUT:-/tmp}/profile-c$clients
+  mkdir -p "$out"
+  (
+    for i in $(seq 1 300); do
+      ls "$out"/served-logs-*/records.jsonl >/dev/null 2>&1 && break
+      sleep 1
+    done
+    pids="$(pgrep -f 'ray::WorkerActor') $(pgrep -f 'ServeReplica')"
+    for pid in $pids; do
+      echo "$pid $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)" >> "$out/pids.txt"
+      echo "start $(ticks "$pid") $(date +%s.%N)" > "$out/cpu-$pid.txt"
+      "$spy" record --pid "$pid" --duration "${SPY_S:-12}" --rate 250 --nonblocking --threads --format raw \
+        -o "$out/spy-$pid.txt" > "$out/spy-$pid.log" 2>&1 &
+    done
+    wait
+    for pid in $pids; do echo "end $(ticks "$pid") $(date +%s.%N) hz $(getconf CLK_TCK)" >> "$out/cpu-$pid.txt"; done
+  ) &
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.served --model "$model" --device cuda --profile h200 \
+    --targets pulse --workloads story --sampling greedy --clients "$clients" --tokens 128 \
+    --per-client "${PER_CLIENT:-8}" --repeats 1 --warmup 1 --duration 60 --timeout 120 --out "$out" --quiet \
+    2>&1 | grep -v "^warning" | tail -4
+  wait
+  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  for f in "$out"/cpu-*.txt; do echo "$f: $(tr '\n' ' ' < "$f")"; done
+done
