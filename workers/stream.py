@@ -5,14 +5,14 @@ answers BackendStats. Only the gateway may call: every request carries `Authoriz
 (the worker's channel secret, made here and handed to gateways through Ray in WorkerInfo), compared in
 constant time; anything else gets 401. The worker checks every bound of a GenerateRequest itself
 (workers/request_limits.py) and takes bodies no larger than a within-bounds request needs, and it refuses a
-request naming a model it does not hold (421 `model_not_held`) rather than generate with the wrong one. Chunks that
-are ready together go out in one write (coalescing), the first at once. A gateway that closes the
+request naming a model it does not hold (421 `model_not_held`) rather than generate with the wrong one. Each chunk
+goes out in one write as the backend yields it, the first at once; a backend coalesces what piled up for a stream
+into one chunk (the engine's does), so a busy worker writes fewer, larger lines. A gateway that closes the
 connection cancels the generation: aiohttp cancels the handler and the backend's iterator is closed in
 `finally`, freeing the slot and KV blocks.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import secrets
@@ -115,40 +115,21 @@ class StreamServer:
             return await self._relay(request, chunks, first, decode)
 
     async def _relay(self, request: web.Request, chunks, first, span) -> web.StreamResponse:
+        # Chunks are awaited in this handler's own task (no task per chunk): on the per-token path of every
+        # stream, a task and a loop turn per chunk were a large part of the worker's CPU per token.
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
             await resp.prepare(request)
-            await resp.write(encode(first) + b"\n")
-            if first.finish_reason is not None:
-                _finish_span(span, first)
-                return resp
-            pending = asyncio.ensure_future(chunks.__anext__())
+            chunk = first
             while True:
-                chunk = await pending
-                batch = [encode(chunk)]
-                done = chunk.finish_reason is not None
-                # coalesce whatever else is ready right now into the same write
-                while not done:
-                    pending = asyncio.ensure_future(chunks.__anext__())
-                    await asyncio.sleep(0)
-                    if not pending.done():
-                        break
-                    chunk = pending.result()
-                    batch.append(encode(chunk))
-                    done = chunk.finish_reason is not None
-                await resp.write(b"\n".join(batch) + b"\n")
-                if done:
+                await resp.write(encode(chunk) + b"\n")
+                if chunk.finish_reason is not None:
                     _finish_span(span, chunk)
                     return resp
+                chunk = await chunks.__anext__()
         except StopAsyncIteration:
             return resp
         finally:
-            if "pending" in locals() and not pending.done():
-                pending.cancel()
-                try:
-                    await pending
-                except (asyncio.CancelledError, StopAsyncIteration, Exception):
-                    pass
             await chunks.aclose()
 
 

@@ -6,7 +6,7 @@ import pytest
 from gateway.errors import APIError
 from gateway.openai_types import ChatRequest, decode, validate_chat
 from gateway.prompt import PromptBuilder
-from workers.protocol.detok import IncrementalDetokenizer, StopMatcher
+from workers.protocol.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from workers.protocol.model import load_model_info, load_tokenizer
 
 
@@ -64,3 +64,31 @@ def test_validation_names_parameters():
     with pytest.raises(APIError) as e:
         validate_chat(req, max_messages=10, max_stop_strings=4, max_stop_length=10)
     assert e.value.param == "top_p" and e.value.status == 400
+
+
+@pytest.mark.parametrize("model", ["gemma-3-270m", "smollm2-135m-instruct"])
+def test_known_token_texts_give_what_decoding_gives(model):
+    """The detokenizer with TokenTexts (no decode for known tokens) against the one without, delta by delta
+    and window by window, on token streams mixing text, byte tokens, split characters and special tokens."""
+    import random
+
+    tok = load_tokenizer(model)
+    texts = TokenTexts(tok)
+    assert texts.concatenative  # Gemma: Replace + ByteFallback + Fuse; SmolLM2: ByteLevel
+    words = tok.encode("The keeper’s café — 日本語 ✓ 🎉 naïve\n\tdef f(x):\n    return x", add_special_tokens=False).ids
+    special = [i for i in range(16) if tok.decode([i], skip_special_tokens=True) == ""]
+    raw = [i for i in (tok.token_to_id(f"<0x{b:02X}>") for b in (0xE2, 0x9C, 0x93, 0xF0, 0x9F, 0x41)) if i is not None]
+    rng = random.Random(7)
+    for trial in range(300):
+        pool = words + special + raw + [rng.randrange(tok.get_vocab_size()) for _ in range(8)]
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 40))]
+        tail = [rng.choice(pool) for _ in range(rng.randrange(0, 6))]
+        plain, fast = IncrementalDetokenizer(tok, tail), IncrementalDetokenizer(tok, tail, texts)
+        i = 0
+        while i < len(ids):
+            n = rng.choice([1, 1, 1, 2, 3])
+            step = ids[i:i + n]
+            i += n
+            assert fast.push(step) == plain.push(step), (trial, ids, tail)
+            assert (fast._prefix_offset, fast._read_offset) == (plain._prefix_offset, plain._read_offset)
+    assert any(texts.get(t) is None for t in raw + special) and all(texts.get(t) is not None for t in words[:3])

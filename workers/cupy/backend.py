@@ -2,8 +2,9 @@
 
 The engine steps in one dedicated thread (NumPy and CuPy release the GIL in their heavy calls, so the
 asyncio loop stays responsive). Requests and cancellations reach it through a queue it drains between
-steps; its outputs come back to each request's asyncio.Queue with call_soon_threadsafe. Detokenizing and
-stop strings happen on the asyncio side, per request, so the step loop only deals in token ids.
+steps; a step's outputs come back to the event loop in one call_soon_threadsafe (one wakeup per step, not
+one per sequence), which hands each to its request's inbox. Detokenizing and stop strings happen on the
+asyncio side, per request, so the step loop only deals in token ids.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from workers.cupy.drafter import prediction_usage
 from workers.cupy.engine import Engine, StepOutput, create_engine
 from workers.cupy.weights import load_weights
 from workers.protocol import Backend, BackendError, BackendStats, BlockSink, Chunk, GenerateRequest, Usage
-from workers.protocol.detok import IncrementalDetokenizer, StopMatcher
+from workers.protocol.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from workers.protocol.model import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class EngineBackend(Backend):
         self._block_sink, self.worker_id = block_sink, worker_id
         self._engine: Engine | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Inbox] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._healthy = False
@@ -71,6 +72,7 @@ class EngineBackend(Backend):
             return
         self._loop = asyncio.get_running_loop()
         self._engine, self._tokenizer = await asyncio.to_thread(self._build)
+        self._texts = TokenTexts(self._tokenizer)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self._thread.start()
         self._healthy = True
@@ -113,8 +115,8 @@ class EngineBackend(Backend):
             from workers.pipeline.build import close_pipeline
 
             await asyncio.to_thread(close_pipeline, self._engine)
-        for q in list(self._streams.values()):
-            q.put_nowait(BackendError("the engine was closed", 503))
+        for inbox in list(self._streams.values()):
+            inbox.put(BackendError("the engine was closed", 503))
         self._engine = None
 
     async def health(self) -> bool:
@@ -170,8 +172,8 @@ class EngineBackend(Backend):
                 else:
                     self._fail_all(eng, f"engine step failed: {exc}")
                 continue
-            for out in outputs:
-                self._post(out.request_id, out)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""
@@ -216,12 +218,21 @@ class EngineBackend(Backend):
             self._post(rid, RuntimeError(message))
 
     def _post(self, request_id: str, item) -> None:
-        def deliver():
-            q = self._streams.get(request_id)
-            if q is not None:
-                q.put_nowait(item)
+        """One item (an abort's output, an error) for one request, from the engine thread."""
+        self._loop.call_soon_threadsafe(self._deliver_one, request_id, item)
 
-        self._loop.call_soon_threadsafe(deliver)
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """A step's outputs, on the event loop: each to its request's inbox (none: the request has ended)."""
+        streams = self._streams
+        for out in outputs:
+            inbox = streams.get(out.request_id)
+            if inbox is not None:
+                inbox.put(out)
+
+    def _deliver_one(self, request_id: str, item) -> None:
+        inbox = self._streams.get(request_id)
+        if inbox is not None:
+            inbox.put(item)
 
     # --- one request -------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
@@ -234,12 +245,11 @@ class EngineBackend(Backend):
                                "invalid_request_error")
         if request.grammar is not None:  # compile off the engine thread (cached per schema) so steps never wait
             await _prepare_grammar(self._engine, request.grammar)
-        q: asyncio.Queue = asyncio.Queue()
-        stream = _ChunkStream(request, q, self._tokenizer, self._inbox)
+        stream = _ChunkStream(request, _Inbox(), self._tokenizer, self._texts, self._inbox)
         if stream.stop.stopped:  # the resumed tokens already end in a stop string: nothing left to generate
             yield stream.stopped_on_resume()
             return
-        self._streams[request.request_id] = q
+        self._streams[request.request_id] = stream.outputs
         self._inbox.put(("add", request))
         done = False
         try:
@@ -252,12 +262,40 @@ class EngineBackend(Backend):
                 self._inbox.put(("abort", request.request_id))
 
 
+class _Inbox:
+    """One request's engine outputs (and errors) on the event loop, until its stream takes them all at once.
+
+    Cheaper than an asyncio.Queue on the per-token path: a list and at most one waiter."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
 class _ChunkStream:
     """Engine outputs of one request -> Chunks: detokenized, stop strings cut, several tokens coalesced."""
 
-    def __init__(self, request: GenerateRequest, q: asyncio.Queue, tokenizer, inbox: queue.SimpleQueue):
-        self.request, self.q, self.inbox = request, q, inbox
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids)
+    def __init__(self, request: GenerateRequest, outputs: _Inbox, tokenizer, texts: TokenTexts,
+                 inbox: queue.SimpleQueue):
+        self.request, self.outputs, self.inbox = request, outputs, inbox
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, texts)
         self.stop = StopMatcher(request.stop)
         self.started = False
         self.pending_ids: list[int] = []
@@ -280,9 +318,7 @@ class _ChunkStream:
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
-            items = [await self.q.get()]
-            while not self.q.empty():  # coalesce what piled up while the consumer was busy
-                items.append(self.q.get_nowait())
+            items = await self.outputs.take()  # all that piled up while the consumer was busy: one chunk
             text, last = "", None
             for item in items:
                 if isinstance(item, BaseException):
