@@ -17,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.procs import descendants
+
 MODEL = "gemma-3-270m"
 CHAT = "/v1/chat/completions"
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
@@ -211,11 +213,37 @@ async def _pid_when_listening(session: aiohttp.ClientSession, base: str, worker_
             await asyncio.sleep(0.2)
 
 
+def child_pids(pid: int, name: str) -> list[int]:
+    """The descendants of `pid` whose executable is named `name` (a worker's llama-server)."""
+    out = []
+    for child in descendants(pid):
+        try:
+            argv0 = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if Path(argv0.decode(errors="replace")).name == name:
+            out.append(child)
+    return out
+
+
+async def both_serving(session: aiohttp.ClientSession, base: str, child: str | None = None) -> bool:
+    """Both workers routable in the gateway's view (healthy, circuit closed), each where a live process listens
+    (and, with `child`, with one child process of that name running under it: a killed llama-server restarted)."""
+    rows = await workers(session, base)
+    if len(rows) != 2 or not all(w["routable"] for w in rows):
+        return False
+    pids = [listening_pids(port_of(w["url"])) for w in rows]
+    return all(len(p) == 1 and (not child or len(child_pids(next(iter(p)), child)) == 1) for p in pids)
+
+
 async def kill_under_streams(session: aiohttp.ClientSession, base: str, bodies: list[dict], *,
-                             after_events: int, timeout_s: float = 120.0) -> tuple[list[StreamSeen], dict]:
+                             after_events: int, timeout_s: float = 120.0,
+                             child: str | None = None) -> tuple[list[StreamSeen], dict]:
     """One stream per body; once every stream has seen `after_events` content events (or 30 s passed), SIGKILL
-    the worker process serving the most of them that are still running. Returns what each stream saw and
-    what was killed: {"victim", "pid", "live_on_victim", "live_elsewhere", "killed_at" (monotonic)}."""
+    the worker process serving the most of them that are still running — or, with `child` (e.g.
+    "llama-server"), that worker's descendant process of that name, leaving the worker alive. Returns what
+    each stream saw and what was killed: {"victim", "pid", "live_on_victim", "live_elsewhere", "killed_at"
+    (monotonic)}."""
     seen = [StreamSeen() for _ in bodies]
     started = [asyncio.Event() for _ in bodies]
 
@@ -238,11 +266,15 @@ async def kill_under_streams(session: aiohttp.ClientSession, base: str, bodies: 
     live = Counter(s.worker for s in seen if s.worker and not s.ended)
     victim = live.most_common(1)[0][0] if live else None
     info = {"victim": victim, "live_on_victim": live.get(victim, 0),
-            "live_elsewhere": sum(live.values()) - live.get(victim, 0)}
+            "live_elsewhere": sum(live.values()) - live.get(victim, 0),
+            "chars_at_kill": [len(s.text) for s in seen]}  # where each stream was (text relayed so far)
     pids = {w["worker_id"]: await _pid_when_listening(session, base, w["worker_id"])
             for w in await workers(session, base)}
     if victim is not None:
-        info["pid"] = pids[victim]
+        targets = child_pids(pids[victim], child) if child else [pids[victim]]
+        if len(targets) != 1:
+            raise RuntimeError(f"expected one {child} under {victim} (pid {pids[victim]}): {targets}")
+        info["pid"] = targets[0]
         os.kill(info["pid"], signal.SIGKILL)
     info["killed_at"] = time.monotonic()
     await asyncio.gather(*tasks)

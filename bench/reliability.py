@@ -2,6 +2,7 @@
 
     python -m bench.reliability load --streams 1000 --seconds 60
     python -m bench.reliability kill --streams 32 --repeats 3    # a worker killed under load: streams lost
+    python -m bench.reliability kill --backend llama-server --streams 16 --kill llama-server   # its child only
 
 Starts `pulse serve --backend loadtest` (slots for every stream, a token rate that keeps each stream busy
 for seconds), runs N closed-loop streaming clients (one aiohttp session, connector sized to N) for a
@@ -29,6 +30,7 @@ import aiohttp
 from bench import loops
 from bench.faults import (
     MODEL,
+    both_serving,
     kill_under_streams,
     listening_pids,
     port_of,
@@ -224,9 +226,13 @@ KILL_PROMPTS = ["Tell me a long story about a lighthouse.", "Explain how a bicyc
 
 
 def kill_config(streams: int, backend: str) -> str:
+    # each worker can hold every stream (the survivor takes them all)
     if backend == "loadtest":
         engine = f"loadtest: {{tokens: 100000, tokens_per_s: 20, slots: {2 * streams}}}"
-    else:  # the real engine on the CPU; each worker can hold every stream (the survivor takes them all)
+    elif backend == "llama-server":  # one thread each: two workers share the box's cores
+        engine = (f"llama_server: {{slots: {streams}, kv_tokens: {max(2048, 256 * streams)}, threads: 1, "
+                  f"headers_timeout_s: 20, stop_grace_s: 3}}")
+    else:  # the real engine on the CPU
         engine = f"engine: {{device: cpu, kv_blocks: {max(512, 8 * streams)}, max_num_seqs: {streams}}}"
     return f"""
 model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
@@ -256,16 +262,14 @@ async def _migrations(session: aiohttp.ClientSession, base: str) -> dict[str, fl
     return out
 
 
-async def _both_serving(session: aiohttp.ClientSession, base: str) -> bool:
-    """Both workers routable in the gateway's view (healthy, circuit closed), each where a live process listens."""
-    rows = await workers(session, base)
-    return len(rows) == 2 and all(w["routable"] and listening_pids(port_of(w["url"])) for w in rows)
-
-
-async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progress: bool = False) -> dict:
-    """An undisturbed reference run of the streams, then `repeats` runs that SIGKILL one worker of two once
-    every stream has 4 events. Lost: a stream that did not end whole (200, finish reason, [DONE], no error
-    event). Differing: a whole stream whose text is not the reference's (greedy: it should be the same)."""
+async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progress: bool = False,
+                     child: str | None = None, control: bool = False) -> dict:
+    """An undisturbed reference run of the streams, then `repeats` runs that SIGKILL one worker of two (with
+    `child`: that worker's child process of that name) once every stream has 4 events. Lost: a stream that
+    did not end whole (200, finish reason, [DONE], no error event). Differing: a whole stream whose text is
+    not the reference's (greedy: it should be the same). With `control`, each kill run follows an undisturbed
+    repeat of the streams, whose texts are compared with the reference too: a backend whose greedy output
+    depends on the batch it ran in (llama.cpp) differs there without any kill."""
     raise_fd_limit(4 * streams + 256)
     bodies = kill_bodies(streams, tokens)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -275,42 +279,75 @@ async def drive_kill(base: str, streams: int, tokens: int, repeats: int, progres
             raise RuntimeError(f"the undisturbed reference run lost streams {broken}: {reference[broken[0]]}")
         runs = []
         for r in range(repeats):
-            if await wait_until(lambda: _both_serving(s, base), 180, 0.5) is None:
+            if await wait_until(lambda: both_serving(s, base, child), 180, 0.5) is None:
                 raise RuntimeError("the killed worker did not come back within 180 s")
+            calm = None
+            if control:  # the same streams undisturbed again: how many texts differ without any kill
+                again = await asyncio.gather(*(stream_chat(s, base, b, timeout_s=600) for b in bodies))
+                calm = sum(x.complete and x.text != reference[i].text for i, x in enumerate(again))
             before = await _migrations(s, base)
             t0 = time.monotonic()
-            seen, info = await kill_under_streams(s, base, bodies, after_events=4, timeout_s=600)
+            seen, info = await kill_under_streams(s, base, bodies, after_events=4, timeout_s=600, child=child)
             after = await _migrations(s, base)
             lost = [i for i, x in enumerate(seen) if not x.complete]
             differ = [i for i, x in enumerate(seen) if x.complete and x.text != reference[i].text]
+            moved = {i for i, x in enumerate(seen) if x.worker == info["victim"]}
             short = [i for i, x in enumerate(seen) if x.complete and (x.usage or {}).get("completion_tokens") != tokens]
             run = {"victim": info["victim"], "others_died": info["others_died"],
                    "live_on_victim_at_kill": info["live_on_victim"],
                    "live_elsewhere_at_kill": info["live_elsewhere"], "lost": len(lost),
-                   "differing_text": len(differ), "wrong_usage": len(short),
+                   "differing_text": len(differ), "differing_moved": len(moved.intersection(differ)),
+                   "differing_undisturbed_repeat": calm,
+                   "wrong_usage": len(short),
+                   # where each differing text leaves the reference: (stream, moved, chars relayed at the kill,
+                   # chars equal to the reference's, reference chars)
+                   "differ_at": [(i, i in moved, info["chars_at_kill"][i], _common(seen[i].text, reference[i].text),
+                                  len(reference[i].text)) for i in differ][:8],
+                   "diverged_before_kill": sum(_common(seen[i].text, reference[i].text) < info["chars_at_kill"][i]
+                                               for i in differ),
+                   "differing_texts": {i: seen[i].text for i in differ[:8]},
                    "migrations": {k: after.get(k, 0) - before.get(k, 0) for k in ("resumed", "failed")},
                    "seconds": round(time.monotonic() - t0, 1),
                    "lost_saw": [(x.status, x.error_events[:1], x.exception) for x in (seen[i] for i in lost)][:3]}
             runs.append(run)
             if progress:
                 print(f"  run {r + 1}/{repeats}: {run}", file=sys.stderr, flush=True)
-    return {"streams": streams, "tokens": tokens, "repeats": repeats, "runs": runs,
+    return {"streams": streams, "tokens": tokens, "repeats": repeats, "killed": child or "worker", "runs": runs,
+            "reference_texts": [x.text for x in reference],
+            # streams of the same prompt in the reference whose texts differ from that prompt's first stream
+            "reference_self_disagreements": sum(x.text != reference[i % len(KILL_PROMPTS)].text
+                                                for i, x in enumerate(reference)),
             "lost_per_run": [x["lost"] for x in runs], "differing_per_run": [x["differing_text"] for x in runs],
             "failures": [f"run {i + 1} lost {x['lost']} streams" + (
                 f" (but {', '.join(x['others_died'])} died too: not a one-worker kill)" if x["others_died"] else "")
                 for i, x in enumerate(runs) if x["lost"]]}
 
 
+def _common(a: str, b: str) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def kill_markdown(doc: dict) -> str:
-    lines = [f"{doc['streams']} greedy streams x {doc['tokens']} tokens, 2 workers ({doc['backend']}), one worker "
-             f"SIGKILLed mid-run, {doc['repeats']} runs", "",
-             "| run | streams on the killed worker / elsewhere | lost | text differs from undisturbed | "
-             "wrong usage | migrations resumed / failed | seconds |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    what = "one worker" if doc["killed"] == "worker" else f"one worker's {doc['killed']} process"
+    lines = [(f"{doc['streams']} greedy streams x {doc['tokens']} tokens, 2 workers ({doc['backend']}), {what} "
+              f"SIGKILLed mid-run, {doc['repeats']} runs"), "",
+             ("| run | streams on the killed worker / elsewhere | lost | text differs from the reference (of them "
+              "moved; in the undisturbed repeat) | wrong usage | migrations resumed / failed | seconds |"),
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(doc["runs"]):
         also = f" (also died: {', '.join(r['others_died'])})" if r["others_died"] else ""
+        calm = "" if r["differing_undisturbed_repeat"] is None else f"; {r['differing_undisturbed_repeat']} undisturbed"
         lines.append(f"| {i + 1} | {r['live_on_victim_at_kill']} / {r['live_elsewhere_at_kill']}{also} | {r['lost']} | "
-                     f"{r['differing_text']} | {r['wrong_usage']} | {r['migrations']['resumed']:.0f} / "
-                     f"{r['migrations']['failed']:.0f} | {r['seconds']} |")
+                     f"{r['differing_text']} ({r['differing_moved']}){calm} | {r['wrong_usage']} | "
+                     f"{r['migrations']['resumed']:.0f} / {r['migrations']['failed']:.0f} | {r['seconds']} |")
+    lines.append(f"\nreference run: {doc['reference_self_disagreements']} of {doc['streams']} streams differ from the "
+                 f"first stream of the same prompt")
     return "\n".join(lines)
 
 
@@ -329,11 +366,14 @@ def start_serve(out, kind: str, config_text: str):
 
 
 def run_kill(args: argparse.Namespace) -> int:
+    child = None if args.kill == "worker" else args.kill
+    if child and args.backend != child:
+        raise SystemExit(f"--kill {child} needs --backend {child}")
     stamp, port, proc, before = start_serve(args.out, "kill", kill_config(args.streams, args.backend))
     try:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", 300)
         doc = asyncio.run(drive_kill(f"http://127.0.0.1:{port}", args.streams, args.tokens, args.repeats,
-                                     not args.quiet))
+                                     not args.quiet, child, args.control))
     finally:
         left = proc.stop()
     doc.update(backend=args.backend, command=command_line(), machine=before, loadavg_end=list(os.getloadavg()),
@@ -380,7 +420,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     k.add_argument("--streams", type=int, default=32)
     k.add_argument("--tokens", type=int, default=32, help="tokens per stream (greedy, ignore_eos)")
     k.add_argument("--repeats", type=int, default=3, help="kill runs (after one undisturbed reference run)")
-    k.add_argument("--backend", choices=["cupy", "loadtest"], default="cupy")
+    k.add_argument("--backend", choices=["cupy", "llama-server", "loadtest"], default="cupy")
+    k.add_argument("--kill", choices=["worker", "llama-server"], default="worker",
+                   help="what to SIGKILL: the worker actor, or its llama-server child (--backend llama-server)")
+    k.add_argument("--control", action="store_true",
+                   help="before each kill run, repeat the streams undisturbed and count texts that differ there")
     k.add_argument("--out", type=Path, default=OUT)
     k.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
