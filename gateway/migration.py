@@ -7,12 +7,19 @@
 
 Before the first chunk the dispatcher retries elsewhere (gateway/dispatch.py). After it, a broken worker
 stream (connection reset, EOF without a final chunk, an unreadable line, or an in-band error chunk such
-as a draining worker's engine closing) becomes a continuation: the same GenerateRequest with
-`resume_ids` = the tokens already relayed to the client, opened on a worker not tried yet. The worker
-continues as if it had produced those tokens itself (sampler index, stop strings, grammar, max_tokens and
-usage count them; workers/protocol), so the client sees one stream, and a greedy or seeded one is the
-same text an undisturbed run gives. At most `max_migrations` hand-overs per request; when none is
-possible the last batch is one error chunk, which the protocol writes as one in-band error event.
+as a draining worker's engine closing or a worker's llama-server process dying) becomes a continuation:
+the same GenerateRequest with `resume_ids` = the tokens already relayed to the client, opened on a worker
+not tried yet. The worker continues as if it had produced those tokens itself (sampler index, stop
+strings, grammar, max_tokens and usage count them; workers/protocol), so the client sees one stream, and
+a greedy or seeded one on the engine is the same text an undisturbed run gives (llama-server: greedy
+only, and only as far as llama.cpp's output does not depend on the batch it ran in). At most
+`max_migrations` hand-overs per request; when none is possible the last batch is one error chunk, which
+the protocol writes as one in-band error event.
+
+The response's `x-pulse-worker` header names the worker the request was routed to (`first_worker`): a
+stream's headers have left before any hand-over, so a non-streamed answer names the same one. Each
+hand-over is an event on the request's span (EVENT_MIGRATED: the failed worker, the one continuing, the
+tokens it resumed from), a log line and a `pulse_stream_migrations_total` count.
 """
 from __future__ import annotations
 
@@ -27,11 +34,13 @@ from gateway.dispatch import Dispatcher, Ticket
 from gateway.errors import APIError
 from gateway.pool import WorkerState
 from workers.protocol import Chunk, GenerateRequest, Usage
+from workers.protocol import telemetry as tm
 
 log = logging.getLogger("pulse.gateway.migration")
 
 # what a dead or unreachable worker's stream raises while it is read (ValueError: a torn JSON line)
 BROKEN = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+EVENT_MIGRATED = "pulse.migrated"  # an event on the request's span, one per hand-over
 
 
 class Relay:
@@ -99,6 +108,9 @@ class Relay:
             return self._failed(f"{why} and no other worker could continue it", f"{broken}; {e.message}")
         self._tried.add(self.ticket.worker.worker_id)
         self.metrics.migrated("resumed")
+        tm.trace.get_current_span().add_event(EVENT_MIGRATED, {
+            "pulse.worker.failed": failed, tm.PULSE_WORKER: self.ticket.worker.worker_id,
+            "pulse.resumed_tokens": len(self.delivered)})
         return self.ticket.first, self.ticket.chunks
 
     def _failed(self, message: str, detail: str) -> Chunk:

@@ -29,6 +29,7 @@ class SinkSpan:
     service: str
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    event_attributes: list[dict[str, Any]] = field(default_factory=list)  # one dict per event, in order
     resource: dict[str, Any] = field(default_factory=dict)
 
 
@@ -50,6 +51,7 @@ def _decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[SinkSp
                     parent_span_id=s.parent_span_id.hex(), service=str(resource.get("service.name", "")),
                     attributes={a.key: _value(a.value) for a in s.attributes},
                     events=[e.name for e in s.events], resource=resource,
+                    event_attributes=[{a.key: _value(a.value) for a in e.attributes} for e in s.events],
                 ))
     return out
 
