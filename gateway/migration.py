@@ -123,6 +123,8 @@ class Relay:
 def _until_end(batch: list[Chunk]) -> tuple[list[Chunk], str | None]:
     """The chunks of `batch` up to its final one (included), and the error of an in-band error chunk
     (which is left out: the generation goes on elsewhere)."""
+    if batch[-1].finish_reason is None:  # most batches: a worker sends nothing after its final chunk
+        return batch, None
     for i, c in enumerate(batch):
         if c.finish_reason == "error":
             return batch[:i], c.error or "generation failed"
