@@ -42,6 +42,7 @@ class KeyAuth:
         self.store, self.quota = store, quota
         self.host = host
         self.open_when_empty = open_when_empty
+        self._may_open = open_when_empty and is_loopback(host)  # fixed at start; is_open asks it per request
         self.recheck_s = recheck_s
         self._has_keys: bool | None = None
         self._checked_at = 0.0
@@ -58,7 +59,7 @@ class KeyAuth:
 
     async def is_open(self) -> bool:
         """Whether requests pass without a key now: no active key, open_when_empty, a loopback bind."""
-        return self.open_when_empty and is_loopback(self.host) and not await self._keyed()
+        return self._may_open and not await self._keyed()
 
     async def authenticate(self, authorization: str | None, *, admin: bool = False) -> ApiKey | None:
         """The caller's key, or None when the gateway is open (no keys, loopback). Raises APIError."""

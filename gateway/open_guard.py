@@ -19,6 +19,7 @@ this server never grants, and these checks step aside (keyed gateways sit behind
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -33,6 +34,12 @@ def local_name(host: str, bind_host: str) -> bool:
     """Whether `host` (no port) names this machine's loopback: what an open gateway answers to."""
     host = host.strip().strip("[]").rstrip(".").lower()
     return is_loopback(host) or host.endswith(".localhost") or host == bind_host.strip("[]").lower()
+
+
+@lru_cache(maxsize=256)  # bounded: Host is client input; every request of a client sends the same one
+def _local_host(header: str, bind_host: str) -> bool:
+    """Whether a Host header value names this machine (parsing it costs more than the rest of the guard)."""
+    return local_name(_host_of(header), bind_host)
 
 
 def _host_of(header: str) -> str:
@@ -53,7 +60,7 @@ def open_guard(auth: KeyAuth, bind_host: str):
 def check(request: web.Request, bind_host: str) -> None:
     """Raise the APIError an open gateway answers `request` with, if any."""
     host = request.headers.get("Host")
-    if host is not None and not local_name(_host_of(host), bind_host):
+    if host is not None and not _local_host(host, bind_host):
         raise APIError(421, f"this gateway has no API keys and answers only to loopback names, not {host!r}; "
                        "create a key (`pulse keys create`) to serve it under another name", code="misdirected_request")
     origin = request.headers.get("Origin")
