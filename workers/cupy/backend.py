@@ -2,9 +2,14 @@
 
 The engine steps in one dedicated thread (NumPy and CuPy release the GIL in their heavy calls, so the
 asyncio loop stays responsive). Requests and cancellations reach it through a queue it drains between
-steps; a step's outputs come back to the event loop in one call_soon_threadsafe (one wakeup per step, not
-one per sequence), which hands each to its request's inbox. Detokenizing and stop strings happen on the
-asyncio side, per request, so the step loop only deals in token ids.
+steps; its outputs come back to the event loop in one call_soon_threadsafe per hand-over, which gives each
+to its request's inbox. Detokenizing and stop strings happen on the asyncio side, per request, so the step
+loop only deals in token ids.
+
+Under load the step thread holds outputs back for a few steps and hands them over together (see
+HANDOVER_S_PER_STREAM): every hand-over wakes each running request's task and costs one write on its stream,
+all under the GIL that the step thread needs between device steps, so at 64 streams handing over every step
+left the engine waiting for the event loop. A request's first token is handed over at once.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -28,6 +34,18 @@ from workers.protocol.model import load_tokenizer
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# How long the step thread may hold a step's outputs before handing them to the event loop, per stream that
+# has output in the step: 1 stream hands over every step, 64 about every 3 ms (two 1.9 ms steps), 256 every
+# ~13 ms. A stream's wake-up, chunk and write cost the event loop ~15-25 us of GIL time on a 2-core Xeon
+# (bench/worker_path.py), so hand-overs take at most about half the GIL whatever the batch.
+HANDOVER_S_PER_STREAM = 50e-6
+
+
+def handover_due(held_s: float, step_s: float, streams: int, first_token: bool) -> bool:
+    """Whether the step thread hands its held outputs over now: at once for a request's first token (time
+    to first token is not traded), else when holding them one more step of `step_s` would take them past
+    HANDOVER_S_PER_STREAM per stream in the step (`held_s`: since the last hand-over)."""
+    return first_token or held_s + step_s / 2 >= HANDOVER_S_PER_STREAM * streams
 
 
 class EngineBackend(Backend):
@@ -40,6 +58,9 @@ class EngineBackend(Backend):
         self._engine: Engine | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Inbox] = {}
+        self._outbox: list[StepOutput] = []  # step outputs the step thread has not handed over yet
+        self._fresh: set[str] = set()  # requests added with no output handed over yet (step thread's)
+        self._handed_at = 0.0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._healthy = False
@@ -158,10 +179,15 @@ class EngineBackend(Backend):
     def _run(self) -> None:
         eng = self._engine
         while True:
-            if not self._drain_inbox(block=not eng.has_work()):
+            idle = not eng.has_work()
+            if idle:
+                self._hand_over()
+            if not self._drain_inbox(block=idle):
+                self._hand_over()
                 return
             if not eng.has_work():
                 continue
+            started = time.monotonic()
             try:
                 outputs = eng.step()
             except Exception as exc:  # a failed step fails its requests, not the worker process
@@ -173,7 +199,25 @@ class EngineBackend(Backend):
                     self._fail_all(eng, f"engine step failed: {exc}")
                 continue
             if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                self._keep(outputs, time.monotonic() - started)
+
+    def _keep(self, outputs: list[StepOutput], step_s: float) -> None:
+        """Add a step's outputs to the outbox; hand it over when handover_due says so."""
+        self._outbox += outputs
+        first = False
+        if self._fresh:
+            for out in outputs:
+                if out.request_id in self._fresh:
+                    self._fresh.discard(out.request_id)
+                    first = True
+        if handover_due(time.monotonic() - self._handed_at, step_s, len(outputs), first):
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._outbox:
+            outputs, self._outbox = self._outbox, []
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        self._handed_at = time.monotonic()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""
@@ -188,9 +232,11 @@ class EngineBackend(Backend):
             if kind == "add":
                 try:
                     self._engine.add(arg)
+                    self._fresh.add(arg.request_id)
                 except ValueError as exc:
                     self._post(arg.request_id, BackendError(str(exc), 400, "invalid_request_error"))
             elif kind == "abort":
+                self._fresh.discard(arg)
                 out = self._engine.abort(arg)
                 if out is not None:
                     self._post(arg, out)
@@ -218,7 +264,10 @@ class EngineBackend(Backend):
             self._post(rid, RuntimeError(message))
 
     def _post(self, request_id: str, item) -> None:
-        """One item (an abort's output, an error) for one request, from the engine thread."""
+        """One item (an abort's output, an error) for one request, from the engine thread, after the outputs
+        held back (in order: a request's tokens before its end)."""
+        self._fresh.discard(request_id)
+        self._hand_over()
         self._loop.call_soon_threadsafe(self._deliver_one, request_id, item)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
