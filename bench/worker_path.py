@@ -12,12 +12,14 @@ engine's own Python per step, which the stand-in does not have.
 Clients (this process, not the worker) stream POST /generate at 1/16/64/256 concurrent requests, closed
 loop, and count the token ids they receive inside a measurement window. Per client count it prints:
 delivered tok/s; the stand-in's ideal (min(clients, batch) / step time); the steps it actually ran per
-second (a step that waits for the GIL runs late); the worker process's CPU per delivered token, from
+second and how late, on average, its step thread ran on after each sleep (waiting for a core and for
+the GIL, which the event loop holds while it serves); the worker process's CPU per delivered token, from
 /proc; and the share of a step's budget that this CPU is at one token per running sequence per step
-(1.0: serving alone fills the step time, and the engine thread can only keep its pace on a second core).
+(1.0: serving alone fills the step time). On a crowded box the lateness (so steps/s and tok/s) moves
+with the other load; CPU per token is the steadier reading.
 
     python -m bench.worker_path --step-ms 1.9 --batch 64 --clients 1 16 64 256 --duration 6
-    python -m bench.worker_path --py-spy 64      # record a py-spy profile of the worker at 64 clients
+    python -m bench.worker_path --clients 64 --py-spy 64 [--native]   # py-spy on the worker at 64 clients
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class PacedEngine:
         self.waiting: deque[str] = deque()
         self.speculator = self.constraints = None
         self.steps = 0
-        self.step_wall = 0.0  # seconds from the start of one step to the start of the next, summed
+        self.late_s = 0.0  # summed over steps: how much later than step_s the step thread ran on after its sleep
 
     def add(self, request) -> None:
         if not request.prompt_ids:
@@ -93,7 +95,9 @@ class PacedEngine:
     def step(self) -> list:
         while self.waiting and len(self.running) < self.batch:
             self.running.append(self.waiting.popleft())
-        time.sleep(self.step_s)
+        slept = time.perf_counter()
+        time.sleep(self.step_s)  # the OS's wake-up, then the GIL: waiting for it is the serving side's toll
+        self.late_s += time.perf_counter() - slept - self.step_s
         outputs, still = [], []
         for rid in self.running:
             seq = self.seqs[rid]
@@ -130,6 +134,10 @@ def paced_backend(step_s: float, batch: int):
     from workers.protocol import BackendStats
     from workers.protocol.model import load_model_info, load_tokenizer
 
+    class PacedStats(BackendStats):
+        steps: int = 0
+        late_s: float = 0.0
+
     class PacedBackend(EngineBackend):
         def _build(self):
             tokenizer = load_tokenizer(self._info.path)
@@ -137,8 +145,8 @@ def paced_backend(step_s: float, batch: int):
 
         def stats(self) -> BackendStats:
             eng = self._engine
-            return BackendStats(running=len(eng.running), waiting=len(eng.waiting), slots=batch,
-                                generated_tokens=eng.steps)  # the stand-in's steps so far: the bench reads them here
+            return PacedStats(running=len(eng.running), waiting=len(eng.waiting), slots=batch, steps=eng.steps,
+                              late_s=eng.late_s)
 
     config = PulseConfig.model_validate({"workers": {"engine": {"max_num_seqs": batch}}})
     return PacedBackend(config, builtin_profiles()["cpu"], load_model_info(None))
@@ -239,8 +247,8 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
 
     def read(name: str, at: float) -> None:
         time.sleep(max(0.0, at - time.monotonic()))
-        marks[name] = (time.monotonic(), cpu_ticks(pids), stats(url, headers)["generated_tokens"],
-                       time.process_time())
+        s = stats(url, headers)
+        marks[name] = (time.monotonic(), cpu_ticks(pids), s["steps"], time.process_time(), s["late_s"])
 
     t0 = time.monotonic()
     readers = [threading.Thread(target=read, args=("start", t0 + args.warmup)),
@@ -250,7 +258,7 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
     win = loops.run(load(url, headers, prompt_ids, clients, args), args.loop)
     for r in readers:
         r.join()
-    (ta, ca, sa, pa), (tb, cb, sb, pb) = marks["start"], marks["end"]
+    (ta, ca, sa, pa, la), (tb, cb, sb, pb, lb) = marks["start"], marks["end"]
     span = tb - ta
     cpu_s = sum(cb[p][1] - ca[p][1] for p in cb if p in ca) / os.sysconf("SC_CLK_TCK")
     running = min(clients, args.batch)
@@ -260,6 +268,7 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
     return {
         "clients": clients, "tok_s": tok_s, "ideal_tok_s": running / (args.step_ms / 1000),
         "steps_s": (sb - sa) / span, "ideal_steps_s": 1000 / args.step_ms,
+        "late_ms_per_step": 1000 * (lb - la) / (sb - sa) if sb > sa else None,
         "worker_cpu_cores": cpu_s / span, "cpu_us_per_token": cpu_us,
         "step_share": cpu_us * running / (args.step_ms * 1000) if cpu_us else None,
         "client_cpu_cores": (pb - pa) / span, "errors": win.errors,
@@ -269,12 +278,13 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| clients | delivered tok/s | ideal tok/s | delivered / ideal | steps/s (ideal) | worker CPU cores | "
+    head = ("| clients | delivered tok/s | ideal tok/s | delivered / ideal | steps/s (ideal) | step late ms | worker CPU cores | "
             "worker CPU µs/token | share of step budget | TTFT p50 / p99 ms | errors |")
     out = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['clients']} | {r['tok_s']:,.0f} | {r['ideal_tok_s']:,.0f} | "
                    f"{r['tok_s'] / r['ideal_tok_s']:.2f} | {r['steps_s']:.0f} ({r['ideal_steps_s']:.0f}) | "
+                   f"{_f(r['late_ms_per_step'], '.2f')} | "
                    f"{r['worker_cpu_cores']:.2f} | {_f(r['cpu_us_per_token'], '.1f')} | {_f(r['step_share'], '.2f')} | "
                    f"{_f(r['ttft_p50_ms'], '.1f')} / {_f(r['ttft_p99_ms'], '.1f')} | {r['errors']} |")
     return "\n".join(out)
@@ -284,9 +294,12 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                             "--rate", "200", "--format", "speedscope", "-o", str(out), "--threads"],
+def py_spy(pid: int, seconds: float, out: Path, native: bool) -> subprocess.Popen:
+    """py-spy on the worker; with `native`, C frames too (then the event loop's idle time shows as
+    epoll_pwait rather than inside Runner.run)."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                             "200", *(["--native"] if native else []), "--format", "speedscope", "-o", str(out),
+                             "--threads"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -313,7 +326,7 @@ def run(args) -> dict:
             spy = None
             if args.py_spy == c:
                 out = log_dir / f"py-spy-{c}.json"
-                spy = py_spy(proc.popen.pid, args.duration, out)
+                spy = py_spy(proc.popen.pid, args.duration, out, args.native)
                 print(f"py-spy profile -> {out}", file=sys.stderr)
             rows.append(measure(proc, url, headers, prompt_ids, c, args))
             if spy is not None:
@@ -346,6 +359,7 @@ def main(argv=None) -> None:
     p.add_argument("--stop", default="", help="a stop string every request carries (one that never matches "
                                               "costs the matcher's work per token)")
     p.add_argument("--py-spy", type=int, default=0, metavar="CLIENTS", help="profile the worker at this load")
+    p.add_argument("--native", action="store_true", help="py-spy records C frames too")
     args = p.parse_args(argv)
     if args.cmd == "serve":
         loops.run(serve(args), args.loop)
