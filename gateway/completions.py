@@ -299,7 +299,8 @@ class CompletionService:
 
     async def _stream(self, request: web.Request, events: Events, relay: Relay, rm, span) -> web.StreamResponse:
         """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
-        the first batch goes out as soon as it arrives."""
+        the first batch goes out as soon as it arrives; the last events leave with the stream's end, so a
+        client that stops reading at `[DONE]` has read the whole response and keeps its connection."""
         out = SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                    "x-pulse-worker": relay.first_worker.worker_id})
         await out.prepare(request)
@@ -312,7 +313,7 @@ class CompletionService:
                     if c.finish_reason == "error":
                         rm.finish("stream_error")
                         pending.append(events.error(c.error or "generation failed"))
-                        await out.write(b"".join(pending))
+                        await out.write_eof(b"".join(pending))
                         return out
                     if c.text or c.logprobs or is_first:
                         pending.append(events.delta(c.text, c.logprobs, is_first))
@@ -322,7 +323,7 @@ class CompletionService:
                         pending.append(await events.end(_finish(c), usage))
                         rm.finish(200, c.usage)
                         tm.set_usage_attributes(span, usage, _finish(c))
-                        await out.write(b"".join(pending))
+                        await out.write_eof(b"".join(pending))
                         return out
                 if pending:
                     await out.write(b"".join(pending))
@@ -370,6 +371,6 @@ def _error_event(message: str) -> bytes:
 
 async def _sse_error(out: web.StreamResponse, events: Events, message: str) -> None:
     try:
-        await out.write(events.error(message))
+        await out.write_eof(events.error(message))
     except (ConnectionResetError, RuntimeError):
         pass
