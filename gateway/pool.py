@@ -1,8 +1,9 @@
 """The gateway's view of the workers: where each one's token stream is, its live load, its health.
 
 Tokens do not cross Ray: each worker serves its stream over a direct HTTP channel (workers/stream.py)
-and the gateway keeps pooled keep-alive connections to it, sending the worker's channel secret (from its
-WorkerInfo, which came through Ray) on every request. Ray only tells the gateway where the workers
+and the gateway keeps pooled keep-alive connections to it (gateway/channel.py), sending the worker's channel
+secret (from its WorkerInfo, which came through Ray) on every request. The periodic /stats and /blocks
+polls go through an aiohttp session. Ray only tells the gateway where the workers
 are (`discover`), restarts dead ones, and places them.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
+from gateway.channel import Channels, WorkerStream
 from workers.protocol import (
     BlockBatch,
     BackendError,
@@ -24,7 +26,6 @@ from workers.protocol import (
     Chunk,
     GenerateRequest,
     WorkerInfo,
-    chunk_decoder,
     encode,
     stats_decoder,
 )
@@ -79,6 +80,7 @@ class WorkerPool:
         self._breaker_threshold, self._breaker_open_s = breaker_threshold, breaker_open_s
         self.workers: dict[str, WorkerState] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._channels = Channels(connect_timeout_s=5, read_timeout_s=first_byte_timeout_s)
         self._poller: asyncio.Task | None = None
         self._rediscovering: set[str] = set()
 
@@ -96,6 +98,7 @@ class WorkerPool:
             self._poller.cancel()
         if self._session:
             await self._session.close()
+        await self._channels.close()
 
     def routable(self) -> list[WorkerState]:
         now = time.monotonic()
@@ -202,25 +205,24 @@ class WorkerPool:
             log.warning("circuit open for worker %s after %d failures", w.worker_id, w.failures)
         self._schedule_rediscover(w.worker_id)
 
-    async def open_stream(self, w: WorkerState, request: GenerateRequest) -> aiohttp.ClientResponse:
-        """Send the request; returns the response once the worker accepted it (headers received).
+    async def open_stream(self, w: WorkerState, request: GenerateRequest) -> WorkerStream:
+        """Send the request; returns the stream once the worker accepted it (its answer's head is in).
 
         Raises BackendError when the worker refuses or cannot be reached — nothing was sent to the
         client yet, so the caller may retry elsewhere.
         """
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self._first_byte_timeout)
         try:
-            resp = await self._session.post(
-                w.info.url + "/generate", data=encode(request), timeout=timeout,
-                headers={"Content-Type": "application/json", **w.auth},
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            resp = await self._channels.open(w.info.url, "/generate", encode(request), w.info.secret)
+        except (asyncio.TimeoutError, OSError, ValueError) as e:
             self.record_failure(w)
             raise BackendError(f"worker {w.worker_id} unreachable: {e}", 503, "worker_unreachable") from None
         if resp.status != 200:
-            body = await resp.read()
-            resp.release()
+            try:
+                body = await resp.body()
+            except (asyncio.TimeoutError, OSError, ValueError):
+                body = b""
+            finally:
+                resp.close()
             try:
                 detail = msgspec_error(body)
             except Exception:
@@ -246,17 +248,10 @@ def _bounded_socket(addr_info) -> socket.socket:
     return sock
 
 
-async def iter_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[Chunk]]:
-    """Chunks from a worker stream (one JSON object per line), grouped by what one read brought in, so
-    the gateway can relay a burst of tokens in one write."""
-    tail = b""
-    async for data in resp.content.iter_any():
-        *lines, tail = (tail + data).split(b"\n")
-        batch = [chunk_decoder.decode(line) for line in lines if line.strip()]
-        if batch:
-            yield batch
-    if tail.strip():
-        yield [chunk_decoder.decode(tail)]
+def iter_batches(resp: WorkerStream) -> AsyncIterator[list[Chunk]]:
+    """Chunks from a worker stream (one JSON object per line), grouped by what arrived since the last
+    batch, so the gateway can relay a burst of tokens in one write."""
+    return resp.batches()
 
 
 def msgspec_error(body: bytes) -> str:
