@@ -36,7 +36,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO, GOAL_CPU_RATIO = 2.0, 10.0, 0.8, 1.2
 MANY_CLIENTS, GOAL_MANY_P99_MS = 256, 25.0  # from this many clients on, streams are held open: a looser p99
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms", "over_relay_ttft_p50_ms",
-                 "req_s", "req_s_vs_relay", "path_cpu_ms_per_req", "cpu_vs_relay", "rss_mib", "errors"]
+                 "req_s", "req_s_vs_relay", "gateway_cpu_ms_per_req", "path_cpu_ms_per_req", "cpu_vs_relay", "rss_mib",
+                 "errors"]
+GATEWAY_PROCESS = "ray::ServeRepli"  # the gateway replicas' name in /proc/PID/comm (15 characters)
 PLOT_METRICS = ["added_ttft_p50_ms", "added_ttft_p99_ms", "req_s"]
 
 
@@ -169,6 +171,8 @@ async def _load_with_cpu(spec: LoadSpec, path: list[Proc]) -> dict:
         if pid in before:
             by_name[name] = by_name.get(name, 0.0) + (ticks - before[pid][1]) * scale
     out["metrics"]["path_cpu_ms_per_req"] = sum(by_name.values()) if ok else None
+    if GATEWAY_PROCESS in by_name:  # Pulse's gateway replicas alone (HTTP in, the chat core, the worker leg)
+        out["metrics"]["gateway_cpu_ms_per_req"] = by_name[GATEWAY_PROCESS]
     out["cpu_ms_per_req_by_process"] = {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
     return out
 
