@@ -91,13 +91,12 @@ def _stream(client: openai.OpenAI, trace_id: str, on_chunk=None) -> tuple[str, s
         model="gemma-3-270m", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
     worker = raw.headers["x-pulse-worker"]
-    text, finish, usage, n = "", None, None, 0
-    for chunk in raw.parse():
+    text, finish, usage = "", None, None
+    for n, chunk in enumerate(raw.parse(), 1):
         usage = chunk.usage or usage
         for choice in chunk.choices:
             text += choice.text or ""
             finish = choice.finish_reason or finish
-        n += 1
         if on_chunk is not None:
             on_chunk(n, worker)
     return text, finish, usage, worker
