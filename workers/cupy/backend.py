@@ -34,18 +34,19 @@ from workers.protocol.model import load_tokenizer
 log = logging.getLogger(__name__)
 
 _STOP = object()
-# How long the step thread may hold a step's outputs before handing them to the event loop, per stream that
-# has output in the step: 1 stream hands over every step, 64 about every 3 ms (two 1.9 ms steps), 256 every
-# ~13 ms. A stream's wake-up, chunk and write cost the event loop ~15-25 us of GIL time on a 2-core Xeon
-# (bench/worker_path.py), so hand-overs take at most about half the GIL whatever the batch.
+# How long the step thread may hold step outputs before handing them to the event loop, per stream that has
+# output in the step: up to 32 streams hand over every step of 1.6 ms or more, 64 streams every second 1.9 ms
+# step (3.2 ms), 256 every seventh (12.8 ms). A stream's wake-up, chunk and write cost the event loop ~15 us
+# of GIL time on a 2-core Xeon (bench/worker_path.py), so hand-overs take at most about a third of the GIL
+# whatever the batch.
 HANDOVER_S_PER_STREAM = 50e-6
 
 
-def handover_due(held_s: float, step_s: float, streams: int, first_token: bool) -> bool:
+def handover_due(held_s: float, streams: int, first_token: bool) -> bool:
     """Whether the step thread hands its held outputs over now: at once for a request's first token (time
-    to first token is not traded), else when holding them one more step of `step_s` would take them past
-    HANDOVER_S_PER_STREAM per stream in the step (`held_s`: since the last hand-over)."""
-    return first_token or held_s + step_s / 2 >= HANDOVER_S_PER_STREAM * streams
+    to first token is not traded), else once they have been held (`held_s`: since the last hand-over)
+    HANDOVER_S_PER_STREAM per stream in the step."""
+    return first_token or held_s >= HANDOVER_S_PER_STREAM * streams
 
 
 class EngineBackend(Backend):
@@ -187,7 +188,6 @@ class EngineBackend(Backend):
                 return
             if not eng.has_work():
                 continue
-            started = time.monotonic()
             try:
                 outputs = eng.step()
             except Exception as exc:  # a failed step fails its requests, not the worker process
@@ -199,9 +199,9 @@ class EngineBackend(Backend):
                     self._fail_all(eng, f"engine step failed: {exc}")
                 continue
             if outputs:
-                self._keep(outputs, time.monotonic() - started)
+                self._keep(outputs)
 
-    def _keep(self, outputs: list[StepOutput], step_s: float) -> None:
+    def _keep(self, outputs: list[StepOutput]) -> None:
         """Add a step's outputs to the outbox; hand it over when handover_due says so."""
         self._outbox += outputs
         first = False
@@ -210,7 +210,7 @@ class EngineBackend(Backend):
                 if out.request_id in self._fresh:
                     self._fresh.discard(out.request_id)
                     first = True
-        if handover_due(time.monotonic() - self._handed_at, step_s, len(outputs), first):
+        if handover_due(time.monotonic() - self._handed_at, len(outputs), first):
             self._hand_over()
 
     def _hand_over(self) -> None:
