@@ -14,8 +14,8 @@ loop, and count the token ids they receive inside a measurement window. Per clie
 delivered tok/s; the stand-in's ideal (min(clients, batch) / step time); the steps it actually ran per
 second and how late, on average, its step thread ran on after each sleep (waiting for a core and for
 the GIL, which the event loop holds while it serves); the worker process's CPU per delivered token, from
-/proc; and the share of a step's budget that this CPU is at one token per running sequence per step
-(1.0: serving alone fills the step time). On a crowded box the lateness (so steps/s and tok/s) moves
+/proc; the share of a step's budget that this CPU is at one token per running sequence per step
+(1.0: serving alone fills the step time); and tokens per chunk received (how much coalesced). On a crowded box the lateness (so steps/s and tok/s) moves
 with the other load; CPU per token is the steadier reading.
 
     python -m bench.worker_path --step-ms 1.9 --batch 64 --clients 1 16 64 256 --duration 6
@@ -173,6 +173,7 @@ class Window:
     def __init__(self, start: float, end: float):
         self.start, self.end = start, end
         self.tokens = 0
+        self.lines = 0  # chunks (ndjson lines) that carried tokens
         self.ttft: list[float] = []
         self.errors = 0
 
@@ -200,13 +201,15 @@ async def client(session, url: str, headers: dict, prompt_ids: list[int], args, 
                 async for data in resp.content.iter_any():
                     now = time.monotonic()
                     *lines, tail = (tail + data).split(b"\n")
-                    got = sum(len(_chunk_tokens.decode(line).token_ids) for line in lines if line)
+                    counts = [len(_chunk_tokens.decode(line).token_ids) for line in lines if line]
+                    got = sum(counts)
                     if first and got:
                         first = False
                         if win.start <= sent:
                             win.ttft.append(now - sent)
                     if win.start <= now <= win.end:
                         win.tokens += got
+                        win.lines += sum(1 for n in counts if n)
         except aiohttp.ClientError:
             win.errors += 1
 
@@ -272,6 +275,7 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
         "worker_cpu_cores": cpu_s / span, "cpu_us_per_token": cpu_us,
         "step_share": cpu_us * running / (args.step_ms * 1000) if cpu_us else None,
         "client_cpu_cores": (pb - pa) / span, "errors": win.errors,
+        "tokens_per_chunk": win.tokens / win.lines if win.lines else None,
         "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
         "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))] if ttft else None,
     }
@@ -279,13 +283,14 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
 
 def table(rows: list[dict]) -> str:
     head = ("| clients | delivered tok/s | ideal tok/s | delivered / ideal | steps/s (ideal) | step late ms | worker CPU cores | "
-            "worker CPU µs/token | share of step budget | TTFT p50 / p99 ms | errors |")
+            "worker CPU µs/token | share of step budget | tokens/chunk | TTFT p50 / p99 ms | errors |")
     out = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['clients']} | {r['tok_s']:,.0f} | {r['ideal_tok_s']:,.0f} | "
                    f"{r['tok_s'] / r['ideal_tok_s']:.2f} | {r['steps_s']:.0f} ({r['ideal_steps_s']:.0f}) | "
                    f"{_f(r['late_ms_per_step'], '.2f')} | "
                    f"{r['worker_cpu_cores']:.2f} | {_f(r['cpu_us_per_token'], '.1f')} | {_f(r['step_share'], '.2f')} | "
+                   f"{_f(r['tokens_per_chunk'], '.2f')} | "
                    f"{_f(r['ttft_p50_ms'], '.1f')} / {_f(r['ttft_p99_ms'], '.1f')} | {r['errors']} |")
     return "\n".join(out)
 
