@@ -14,7 +14,7 @@ import numpy as np
 
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
-from workers.cupy.rng import row_key
+from workers.cupy.rng import index_key
 from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import SeqStatus, Sequence
@@ -112,12 +112,14 @@ class Engine:
             outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
         else:
             batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
-            self.sampler.stage([self.sample_row(scheduled[b][0]) for b in batch.sample_rows])
+            seqs = [scheduled[b][0] for b in batch.sample_rows]
+            rows = [self.sample_row(seq) for seq in seqs]  # built once: staged for the draw, then read back
+            self.sampler.stage(rows)
             logits = self.model.forward(batch, self.kv)
             for seq, n in scheduled:
                 seq.num_computed += n
                 self.blocks.commit_full_blocks(seq)
-            outputs = self._sample(logits, [scheduled[b][0] for b in batch.sample_rows])
+            outputs = self._sample(logits, seqs, rows=rows)
             prefilled = batch.num_tokens - len(outputs)
         self.blocks.flush_events()
         emitted = self._record(outputs, prefilled)
@@ -136,11 +138,13 @@ class Engine:
 
     def sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
         """The sampler's row for `seq`'s generated token number num_output + ahead."""
-        return SampleRow(seq.sampling, row_key(seq.seed, seq.num_output + ahead), seq.logprobs)
+        return SampleRow(seq.sampling, index_key(seq.seed_key(), seq.num_output + ahead), seq.logprobs)
 
-    def _sample(self, logits, seqs: list[Sequence], index=None) -> list[StepOutput]:
-        """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it."""
-        rows = [self.sample_row(s) for s in seqs]
+    def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
+                ) -> list[StepOutput]:
+        """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it.
+        `rows`: their sample rows when the step already built them (sample_row of each, now)."""
+        rows = rows if rows is not None else [self.sample_row(s) for s in seqs]
         tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):

@@ -28,7 +28,17 @@ def splitmix64(x: int) -> int:
 
 def row_key(seed: int, index: int) -> tuple[int, int]:
     """The key of the draw for a request's `index`-th generated token (seed: any int, taken mod 2^64)."""
-    z = splitmix64((splitmix64(seed & M64) + index) & M64)
+    return index_key(seed_key(seed), index)
+
+
+def seed_key(seed: int) -> int:
+    """The seed's half of row_key, the same for all its tokens (a sequence computes it once)."""
+    return splitmix64(seed & M64)
+
+
+def index_key(mixed_seed: int, index: int) -> tuple[int, int]:
+    """row_key from seed_key(seed)."""
+    z = splitmix64((mixed_seed + index) & M64)
     return z & 0xFFFFFFFF, z >> 32
 
 

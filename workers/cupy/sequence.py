@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from workers.cupy.rng import seed_key
 from workers.protocol import SamplingParams
 
 
@@ -36,6 +37,12 @@ class Sequence:
     num_drafted: int = 0  # speculation: draft tokens proposed for this sequence (verified or not)
     num_accepted: int = 0  # speculation: draft tokens that verification kept
     seed: int = 0  # the sampler's key: the request's seed, or one the engine drew for it (sampler.py)
+    _seed_key: tuple[int, int] = (-1, 0)  # (seed, rng.seed_key(seed)): computed once, not per token
+
+    def seed_key(self) -> int:
+        if self._seed_key[0] != self.seed:
+            self._seed_key = (self.seed, seed_key(self.seed))
+        return self._seed_key[1]
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -126,9 +126,10 @@ class Speculator:
         for b in batch.sample_rows:
             ahead.append(ahead[-1] + 1 if b == prev else 0)
             prev = b
-        engine.sampler.stage([engine.sample_row(scheduled[b][0], a) for b, a in zip(batch.sample_rows, ahead)])
+        step_rows = [engine.sample_row(scheduled[b][0], a) for b, a in zip(batch.sample_rows, ahead)]
+        engine.sampler.stage(step_rows)
         logits = engine.model.forward(batch, engine.kv)
-        plain_rows, plain_seqs, draft_rows, draft_groups = [], [], [], []
+        plain_rows, plain_seqs, plain_samples, draft_rows, draft_groups = [], [], [], [], []
         for b, (seq, n) in enumerate(scheduled):
             if b not in drafts:
                 seq.num_computed += n  # as in a plain step: the whole chunk is now in the cache
@@ -138,13 +139,14 @@ class Speculator:
             if b not in drafts:
                 plain_rows.append(row)
                 plain_seqs.append(seq)
+                plain_samples.append(step_rows[row])
             else:
                 draft_rows.append(row)
                 if a == 0:
                     draft_groups.append((seq, drafts[b]))
         outputs = []
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
-            outputs += engine._sample(logits, plain_seqs, index=plain_rows)
+            outputs += engine._sample(logits, plain_seqs, index=plain_rows, rows=plain_samples)
         if draft_groups:
             outputs += self._accept(engine, logits, draft_rows, draft_groups)
         return outputs, batch.num_tokens - len(batch.sample_rows)
