@@ -35,6 +35,7 @@ def test_sampled_settings_keep_the_distribution(s, expected):
 def test_body_always_carries_every_sampler_field_and_the_seed():
     b = body(SamplingParams(temperature=0.0, seed=3))
     assert (b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seed"]) == (0.0, 1, 1.0, 0.0, 3)
+    assert b["backend_sampling"] is False  # a seeded request draws on the host, where the seed repeats
     b = body(SamplingParams())
     assert b["min_p"] == 0.0 and b["top_k"] == 0 and "seed" not in b  # llama-server's min_p default is 0.05
     assert b["prompt"] == [2, 10, 11] and b["n_predict"] == 8 and b["stream"] and b["cache_prompt"]

@@ -71,6 +71,13 @@ def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
     }
     if s.seed is not None:
         body["seed"] = s.seed
+        # A seeded request draws on the host. llama.cpp's GPU draw (--backend-sampling, the h200 profile: a
+        # float32 cumulative sum over the whole vocabulary, compared with the seed's uniform) did not repeat a
+        # seeded request's tokens on the H200 (the second of two identical temperature-1 requests left the
+        # first at token 16 of 24; tests/gpu/test_llama_server_gpu.py). The host draw repeats on the CPU box
+        # (tests/integration/test_llama_server_backend.py); on the GPU that test re-checks it. Grammars and
+        # logprobs take the host draw anyway (llama.cpp turns the GPU one off for them).
+        body["backend_sampling"] = False
     if req.stop:
         body["stop"] = req.stop
     if req.ignore_eos:
