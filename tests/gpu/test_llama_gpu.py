@@ -198,17 +198,30 @@ def test_real_model_greedy_matches_llamacpp(smollm2, tmp_path):
     try:
         for text, mine in zip(PROMPTS, ours):
             body = {"prompt": encode(info, tok, text), "n_predict": N_MATCH, "temperature": 0.0, "top_k": 1,
-                    "ignore_eos": True, "return_tokens": True, "cache_prompt": False, "stream": False}
+                    "ignore_eos": True, "return_tokens": True, "cache_prompt": False, "stream": False,
+                    "n_probs": 2}
             req = urllib.request.Request(proc.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
-                theirs = json.loads(r.read())["tokens"]
+                answer = json.loads(r.read())
+            theirs, probs = answer["tokens"], answer["completion_probabilities"]
             # llama-server's ignore_eos biases end-of-generation tokens to -inf, while the engine's
             # ignore_eos only keeps going past them: the two runs are the same computation only up to the
             # engine's first EOS (seen on the H200: "Paris." then EOS, where llama.cpp had to pick another)
             end = next((i for i, t in enumerate(mine) if t in info.eos_token_ids), len(mine))
             assert end >= 3, f"{text!r}: the engine ends after {end} tokens, too few to compare"
-            assert mine[:end] == theirs[:end], f"{text!r}: GPU engine {mine} llama.cpp {theirs}"
+            # llama.cpp's CUDA products quantize activations to 8 bits (q8_1), its CPU build and the engine do
+            # not: where llama.cpp's own top two are a near-tie the pick may differ, and both runs go their own
+            # way from there. Anywhere else the tokens must be the same.
+            for i in range(end):
+                if mine[i] == theirs[i]:
+                    continue
+                top = probs[i].get("top_logprobs") or probs[i].get("top_probs")
+                gap = top[0]["logprob"] - top[1]["logprob"]
+                assert mine[i] in (top[0]["id"], top[1]["id"]) and gap < 0.1, (
+                    f"{text!r}: token {i}: GPU engine {mine} llama.cpp {theirs} (llama.cpp's top two {top[:2]})")
+                assert i >= 3, f"{text!r}: only {i} tokens before a near-tie: GPU engine {mine} llama.cpp {theirs}"
+                break
     finally:
         loop.run_until_complete(proc.stop())
         loop.close()
