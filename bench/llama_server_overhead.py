@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -86,12 +87,13 @@ def the_worker_server(pulse: Proc, timeout: float = 60.0) -> tuple[int, int]:
     raise RuntimeError(f"no llama-server under pulse serve after {timeout:.0f} s:\n{pulse.log_tail()}")
 
 
-def prompt_ids(words: int) -> list[int]:
-    """BOS + the tokenized prompt, cut to `words` tokens: the same ids go both ways."""
+def prompt_ids(words: int, model: str | None = None) -> list[int]:
+    """BOS + the tokenized prompt, cut to `words` tokens: the same ids go both ways. `model`: a GGUF path or a
+    bundled model's name (default: the bundled default)."""
     from workers.protocol.model import load_model_info, load_tokenizer
 
-    ids = load_tokenizer().encode(PROMPT * (1 + words // 10), add_special_tokens=False).ids[: words - 1]
-    return [load_model_info().bos_token_id, *ids]
+    ids = load_tokenizer(model).encode(PROMPT * (1 + words // 10), add_special_tokens=False).ids[: words - 1]
+    return [load_model_info(model).bos_token_id, *ids]
 
 
 def direct_body(ids: list[int], max_tokens: int) -> dict:
@@ -179,7 +181,7 @@ def start_pulse(config: str, log_dir: Path, procs: list, start_timeout: float) -
     # `python -m pulse.cli` from this checkout, not whatever `pulse` is first on PATH
     pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
                                         "--host", "127.0.0.1", "--port", str(port)), log_dir,
-                 env={"PYTHONPATH": str(REPO)})
+                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     procs.append(pulse)
     pulse_url = f"http://127.0.0.1:{port}"
     pulse.wait_healthy(pulse_url + "/health", timeout=start_timeout)

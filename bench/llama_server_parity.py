@@ -141,7 +141,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests per run")
     ap.add_argument("--duration", type=float, default=300.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request")
-    ap.add_argument("--model", default="gemma-3-270m", help="the bundled model Pulse serves (its name)")
+    ap.add_argument("--model", default="gemma-3-270m", help="the model Pulse serves: a bundled model's name or a GGUF path")
     ap.add_argument("--queue-deadline", type=float, default=None,
                     help="Pulse's admission.queue_deadline_s (default: Pulse's, 30 s)")
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the device profile's)")
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, log_dir), log_dir, procs,
                                                               args.start_timeout)
         paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}
-        cells = specs(args, prompt_ids(args.prompt_tokens), pulse_url, first_model(pulse_url),
+        cells = specs(args, prompt_ids(args.prompt_tokens, args.model), pulse_url, first_model(pulse_url),
                       f"http://127.0.0.1:{llama_port}")
         runs = {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse) for name, s in cells.items()}
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
