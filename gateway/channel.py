@@ -85,7 +85,9 @@ class WorkerStream(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.transport = None
-        if self._mode == "eof" and exc is None:
+        if self._mode == "done":
+            self.pool.forget(self)  # closed while idle (or after its answer): not kept, whatever its address
+        elif self._mode == "eof" and exc is None:
             self._finish()
         elif self._mode != "done" and self._error is None:
             if not self._got_bytes and self.reused:
@@ -360,8 +362,15 @@ class Channels:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
 
+    def forget(self, conn: WorkerStream) -> None:
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]  # a worker gone for good (restarted at a new address) leaves nothing
+
     def idle_count(self) -> int:
-        """Connections waiting for a request (closed ones are dropped when next looked at)."""
+        """Connections waiting for a request."""
         return sum(1 for idle in self._idle.values() for c in idle if c.transport is not None)
 
     async def close(self) -> None:

@@ -104,7 +104,9 @@ async def test_a_keep_alive_connection_closed_by_the_worker_is_not_a_failure():
             s = await channels.open(url, "/generate", b"{}", "x")
             assert [c.text for batch in [b async for b in s.batches()] for c in batch] == ["a", ""]
             s.close()
+            assert channels.idle_count() == 1
             await asyncio.sleep(0.2)  # the server closes the idle connection meanwhile
+            assert channels.idle_count() == 0  # and the pool lets go of it
     finally:
         await channels.close()
         await runner.cleanup()
