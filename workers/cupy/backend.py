@@ -294,7 +294,7 @@ class EngineBackend(Backend):
                                "invalid_request_error")
         if request.grammar is not None:  # compile off the engine thread (cached per schema) so steps never wait
             await _prepare_grammar(self._engine, request.grammar)
-        stream = _ChunkStream(request, _Inbox(), self._tokenizer, self._texts, self._inbox)
+        stream = _ChunkStream(request, _Inbox(self._loop), self._tokenizer, self._texts, self._inbox)
         if stream.stop.stopped:  # the resumed tokens already end in a stop string: nothing left to generate
             yield stream.stopped_on_resume()
             return
@@ -314,12 +314,14 @@ class EngineBackend(Backend):
 class _Inbox:
     """One request's engine outputs (and errors) on the event loop, until its stream takes them all at once.
 
-    Cheaper than an asyncio.Queue on the per-token path: a list and at most one waiter."""
+    Cheaper than an asyncio.Queue on the per-token path: a list and at most one waiter, made on the loop it
+    was given (asyncio.get_running_loop() costs a getpid call each time)."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "loop", "waiter")
 
-    def __init__(self):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.items: list = []
+        self.loop = loop
         self.waiter: asyncio.Future | None = None
 
     def put(self, item) -> None:
@@ -329,7 +331,7 @@ class _Inbox:
 
     async def take(self) -> list:
         while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.loop.create_future()
             try:
                 await self.waiter
             finally:
