@@ -14,7 +14,7 @@ import numpy as np
 
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
-from workers.cupy.rng import index_key
+from workers.cupy.rng import index_key, index_keys
 from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import SeqStatus, Sequence
@@ -113,7 +113,7 @@ class Engine:
         else:
             batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
             seqs = [scheduled[b][0] for b in batch.sample_rows]
-            rows = [self.sample_row(seq) for seq in seqs]  # built once: staged for the draw, then read back
+            rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
             self.sampler.stage(rows)
             logits = self.model.forward(batch, self.kv)
             for seq, n in scheduled:
@@ -140,11 +140,20 @@ class Engine:
         """The sampler's row for `seq`'s generated token number num_output + ahead."""
         return SampleRow(seq.sampling, index_key(seq.seed_key(), seq.num_output + ahead), seq.logprobs)
 
+    def sample_rows(self, seqs: list[Sequence], ahead: list[int] | None = None) -> list[SampleRow]:
+        """sample_row of each of `seqs` (`ahead`: each one's offset), the keys computed for all rows at once."""
+        n = len(seqs)
+        mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
+        index = np.fromiter((s.num_output for s in seqs), np.uint64, n)
+        if ahead is not None:
+            index += np.asarray(ahead, np.uint64)
+        return [SampleRow(s.sampling, key, s.logprobs) for s, key in zip(seqs, index_keys(mixed, index))]
+
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:
         """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it.
         `rows`: their sample rows when the step already built them (sample_row of each, now)."""
-        rows = rows if rows is not None else [self.sample_row(s) for s in seqs]
+        rows = rows if rows is not None else self.sample_rows(seqs)
         tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):

@@ -42,6 +42,16 @@ def index_key(mixed_seed: int, index: int) -> tuple[int, int]:
     return z & 0xFFFFFFFF, z >> 32
 
 
+def index_keys(mixed_seeds: np.ndarray, indexes: np.ndarray) -> list[tuple[int, int]]:
+    """index_key for many rows at once (uint64 arrays; numpy's uint64 arithmetic wraps as `& M64` does)."""
+    with np.errstate(over="ignore"):
+        x = mixed_seeds + indexes + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = x ^ (x >> np.uint64(31))
+    return list(zip((z & np.uint64(0xFFFFFFFF)).tolist(), (z >> np.uint64(32)).tolist()))
+
+
 def mix32(xp, x):
     """lowbias32 (C. Wellons' hash prospector): uint32 in, uint32 out, wrapping multiplies."""
     x = x ^ (x >> 16)

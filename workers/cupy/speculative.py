@@ -126,7 +126,7 @@ class Speculator:
         for b in batch.sample_rows:
             ahead.append(ahead[-1] + 1 if b == prev else 0)
             prev = b
-        step_rows = [engine.sample_row(scheduled[b][0], a) for b, a in zip(batch.sample_rows, ahead)]
+        step_rows = engine.sample_rows([scheduled[b][0] for b in batch.sample_rows], ahead)
         engine.sampler.stage(step_rows)
         logits = engine.model.forward(batch, engine.kv)
         plain_rows, plain_seqs, plain_samples, draft_rows, draft_groups = [], [], [], [], []
@@ -158,7 +158,8 @@ class Speculator:
         keyed by (seed, token index), that is the token plain decoding would have drawn there: exact for
         any temperature, and the same tokens as without speculation (sampler.py)."""
         ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
-        sample_rows = [engine.sample_row(seq, i) for seq, d in groups for i in range(len(d) + 1)]
+        sample_rows = engine.sample_rows([seq for seq, d in groups for _ in range(len(d) + 1)],
+                                         [i for _, d in groups for i in range(len(d) + 1)])
         targets, lps = engine.choose(step_logits, sample_rows, ids, index=rows,
                                      drafts={s.request_id: d for s, d in groups})
         outputs, row = [], 0

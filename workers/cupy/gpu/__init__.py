@@ -80,7 +80,7 @@ class GpuSampler(Sampler):
             return all(r.greedy and r.logprobs is None for r in rows)
         sel = range(len(rows)) if index is None else index
         return (staged is not None and len(staged) == chosen.shape[0]
-                and all(staged[i] == r for i, r in zip(sel, rows)))
+                and (rows is staged or all(staged[i] is r or staged[i] == r for i, r in zip(sel, rows))))
 
     def choose(self, logits, rows):
         """The draw by the device kernel on (masked) logits, eagerly."""
