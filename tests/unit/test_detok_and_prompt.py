@@ -92,3 +92,43 @@ def test_known_token_texts_give_what_decoding_gives(model):
             assert fast.push(step) == plain.push(step), (trial, ids, tail)
             assert (fast._prefix_offset, fast._read_offset) == (plain._prefix_offset, plain._read_offset)
     assert any(texts.get(t) is None for t in raw + special) and all(texts.get(t) is not None for t in words[:3])
+
+
+class _ReferenceStopMatcher:
+    """The matcher as first written (every tail length tried), to check the faster one against."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending, self.stopped = "", False
+
+    def push(self, text):
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.pending = self.pending[:cut], ""
+            return out
+        keep = next((n for n in range(min(self.hold, len(self.pending)), 0, -1)
+                     if any(s.startswith(self.pending[-n:]) for s in self.stops)), 0)
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out
+
+
+def test_stop_matcher_gives_what_trying_every_tail_gives():
+    import random
+
+    rng = random.Random(3)
+    alphabet = "ab</>x \n"
+    for trial in range(2000):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(0, 4))]
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 5))) for _ in range(rng.randrange(1, 12))]
+        fast, ref = StopMatcher(stops), _ReferenceStopMatcher(stops)
+        for piece in pieces:
+            assert fast.push(piece) == ref.push(piece), (trial, stops, pieces)
+            assert fast.stopped == ref.stopped
+        assert fast.flush() == ("" if ref.stopped else ref.pending)

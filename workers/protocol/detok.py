@@ -88,6 +88,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._firsts = frozenset(s[0] for s in self._stops)  # where a held-back tail can start
         self._pending = ""
         self.stopped = False
 
@@ -97,26 +98,32 @@ class StopMatcher:
             return ""
         if not self._stops:
             return text
-        self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        pending = self._pending + text
+        cut = -1
+        for stop in self._stops:
+            i = pending.find(stop)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
         if cut >= 0:
             self.stopped = True
-            out, self._pending = self._pending[:cut], ""
-            return out
-        keep = self._partial_suffix()
-        out = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(self._pending) - keep :]
-        return out
+            self._pending = ""
+            return pending[:cut]
+        keep = self._partial_suffix(pending)
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]
 
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
 
-    def _partial_suffix(self) -> int:
-        """Length of the longest tail of pending text that is a proper prefix of some stop string."""
-        p = self._pending
-        for n in range(min(self._hold, len(p)), 0, -1):
-            tail = p[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
+    def _partial_suffix(self, p: str) -> int:
+        """Length of the longest tail of `p` that is a proper prefix of some stop string (`p` holds none
+        whole). Only tails starting with some stop's first character are tried: per token, most text has
+        none in its last `hold` characters, and then this is a few set look-ups."""
+        for i in range(max(0, len(p) - self._hold), len(p)):
+            if p[i] in self._firsts:
+                tail = p[i:]
+                for stop in self._stops:
+                    if stop.startswith(tail):
+                        return len(p) - i
         return 0
