@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy.speculation import SpeculationGate
+from policy.speculation import GATE_CLEAR_RATIO, GATE_CLEAR_SLOWER, SpeculationGate
 
 EPOCH, EXPLORE = 4, 8
 
@@ -29,14 +29,19 @@ def test_starts_drafting_then_measures_the_other_mode():
     assert snap["on"] == pytest.approx(100.0) and snap["off"] == pytest.approx(150.0)
 
 
-@pytest.mark.parametrize("rate_on, rate_off, keep", [(100.0, 150.0, False), (300.0, 100.0, True)])
-def test_keeps_the_faster_mode_and_explores_the_other_rarely(rate_on, rate_off, keep):
+@pytest.mark.parametrize("rate_on, rate_off, keep, every", [
+    (100.0, 150.0, False, EXPLORE),  # a close call: one epoch in EXPLORE re-tries the other mode
+    (150.0, 100.0, True, EXPLORE),
+    (300.0, 100.0, True, EXPLORE * GATE_CLEAR_SLOWER),  # a clear winner (code at one stream): rarer
+    (100.0, 100.0 * GATE_CLEAR_RATIO, False, EXPLORE * GATE_CLEAR_SLOWER),
+])
+def test_keeps_the_faster_mode_and_explores_the_other_rarely(rate_on, rate_off, keep, every):
     gate = SpeculationGate(EPOCH, EXPLORE)
-    modes = run(gate, 1, 2 * EPOCH + 40 * EPOCH, rate_on, rate_off)[2 * EPOCH:]
+    modes = run(gate, 1, 2 * EPOCH + 80 * EPOCH, rate_on, rate_off)[2 * EPOCH:]
     epochs = [modes[i] for i in range(0, len(modes), EPOCH)]
     assert all(len(set(modes[i:i + EPOCH])) == 1 for i in range(0, len(modes), EPOCH))  # whole epochs
     kept = sum(m == keep for m in epochs)
-    assert kept == len(epochs) - len(epochs) // EXPLORE  # one epoch in EXPLORE re-tries the other mode
+    assert kept == len(epochs) - (len(epochs) + 2) // every  # epochs counted from the two measuring ones
 
 
 def test_follows_a_change_in_the_traffic():
