@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest_asyncio
 
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles
+from tests.integration.llama_server_helpers import direct_answer
 from tests.required import absent
 from workers.llama_server.backend import LlamaServerBackend
 from workers.protocol import GenerateRequest, SamplingParams
@@ -66,15 +66,6 @@ async def collect(backend, r: GenerateRequest):
     return [c async for c in backend.generate(r)]
 
 
-def direct(backend, body: dict) -> dict:
-    """llama-server's own non-streaming answer, bypassing Pulse."""
-    data = json.dumps({"cache_prompt": False, "return_tokens": True, "stream": False, **body}).encode()
-    r = urllib.request.Request(backend.lanes[0].process.url + "/completion", data=data,
-                               headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(r, timeout=60) as resp:
-        return json.loads(resp.read())
-
-
 async def test_the_profile_turns_gpu_sampling_on(served):
     backend, _ = served
     assert "--backend-sampling" in builtin_profiles()["h200"].llama_server_args
@@ -87,7 +78,7 @@ async def test_greedy_stream_matches_the_servers_own_greedy_answer(served):
     prompt = encode(PROMPT)
     chunks = await collect(backend, req("g", prompt, 32))
     ids = [t for c in chunks for t in c.token_ids]
-    ref = direct(backend, {"prompt": prompt, "n_predict": 32, "temperature": 0.0})
+    ref = direct_answer(backend, {"prompt": prompt, "n_predict": 32, "temperature": 0.0})
     assert ids == ref["tokens"] and "".join(c.text for c in chunks) == ref["content"]
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 32
 

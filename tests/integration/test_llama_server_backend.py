@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 import pytest_asyncio
 
 from cache.hashing import chain_hashes
-from tests.integration.llama_server_helpers import collect, encode, make_backend, request
+from tests.integration.llama_server_helpers import (
+    collect,
+    direct_answer,
+    encode,
+    make_backend,
+    request,
+)
 from workers.protocol import BackendError, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -27,12 +32,7 @@ async def served(tmp_path_factory):
 
 def direct_completion(backend, prompt: list[int], n: int) -> dict:
     """llama-server's own non-streaming answer, bypassing Pulse: the reference for the streamed one."""
-    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": False,
-                       "return_tokens": True, "stream": False}).encode()
-    req = urllib.request.Request(backend.lanes[0].process.url + "/completion", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    return direct_answer(backend, {"prompt": prompt, "n_predict": n, "temperature": 0.0})
 
 
 async def test_stream_matches_llama_servers_own_answer(served):
