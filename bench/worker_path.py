@@ -11,10 +11,10 @@ engine's own Python per step, which the stand-in does not have.
 
 Clients (this process, not the worker) stream POST /generate at 1/16/64/256 concurrent requests, closed
 loop, and count the token ids they receive inside a measurement window. Per client count it prints:
-delivered tok/s; the stand-in's ideal (min(clients, batch) / step time); the steps it actually ran per
+delivered tok/s; the stand-in's ideal (min(clients, batch) / (step time + its Python per step)); the steps it actually ran per
 second and how late, on average, its step thread ran on after each sleep (waiting for a core and for
 the GIL, which the event loop holds while it serves); the worker process's CPU per delivered token, from
-/proc; the share of a step's budget that this CPU is at one token per running sequence per step
+/proc (less the stand-in's own Python, `--engine-python-ms`); the share of a step's budget that this CPU is at one token per running sequence per step
 (1.0: serving alone fills the step time); and tokens per chunk received (how much coalesced). On a crowded box the lateness (so steps/s and tok/s) moves
 with the other load; CPU per token is the steadier reading.
 
@@ -55,14 +55,15 @@ TEXT = ("The keeper’s lamp turned all night above the harbour, and the café b
 # --- the worker process --------------------------------------------------------------------------------------
 class PacedEngine:
     """Stand-in for the engine's compute: each step sleeps `step_s` (the GIL released, as during a GPU step),
-    then gives every running sequence its next token. Requests wait beyond `batch` running ones. It speaks
+    then spins `python_s` holding the GIL (the engine's own Python per step, serial to the device in this
+    model; 0 by default), then gives every running sequence its next token. Requests wait beyond `batch` running ones. It speaks
     the part of Engine's interface that EngineBackend's step thread uses (add, abort, has_work, step)."""
 
-    def __init__(self, step_s: float, batch: int, text_ids: list[int]):
+    def __init__(self, step_s: float, batch: int, text_ids: list[int], python_s: float = 0.0):
         from workers.cupy.engine import StepOutput
 
         self._out = StepOutput
-        self.step_s, self.batch, self.text_ids = step_s, batch, text_ids
+        self.step_s, self.batch, self.text_ids, self.python_s = step_s, batch, text_ids, python_s
         self.seqs: dict[str, list] = {}  # request id -> [request, tokens out, position in text_ids]
         self.running: list[str] = []
         self.waiting: deque[str] = deque()
@@ -97,7 +98,10 @@ class PacedEngine:
             self.running.append(self.waiting.popleft())
         slept = time.perf_counter()
         time.sleep(self.step_s)  # the OS's wake-up, then the GIL: waiting for it is the serving side's toll
-        self.late_s += time.perf_counter() - slept - self.step_s
+        woke = time.perf_counter()
+        self.late_s += woke - slept - self.step_s
+        while time.perf_counter() - woke < self.python_s:  # pure Python: the GIL is held but for switches
+            pass
         outputs, still = [], []
         for rid in self.running:
             seq = self.seqs[rid]
@@ -126,7 +130,7 @@ def _logprob(token: int, top: int):
     return TokenLogprob(token_id=token, logprob=-0.25, top=[(token + i, -0.25 - i) for i in range(top)])
 
 
-def paced_backend(step_s: float, batch: int):
+def paced_backend(step_s: float, batch: int, python_s: float = 0.0):
     """The real EngineBackend, its engine built as a PacedEngine (and the bundled model's real tokenizer)."""
     from policy.config import PulseConfig
     from policy.profiles import builtin_profiles
@@ -141,7 +145,8 @@ def paced_backend(step_s: float, batch: int):
     class PacedBackend(EngineBackend):
         def _build(self):
             tokenizer = load_tokenizer(self._info.path)
-            return PacedEngine(step_s, batch, tokenizer.encode(TEXT, add_special_tokens=False).ids), tokenizer
+            ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+            return PacedEngine(step_s, batch, ids, python_s), tokenizer
 
         def stats(self) -> BackendStats:
             eng = self._engine
@@ -155,7 +160,7 @@ def paced_backend(step_s: float, batch: int):
 async def serve(args) -> None:
     from workers.stream import StreamServer
 
-    backend = paced_backend(args.step_ms / 1000, args.batch)
+    backend = paced_backend(args.step_ms / 1000, args.batch, args.engine_python_ms / 1000)
     await backend.start()
     server = StreamServer(backend, port=args.port, secret=args.secret, worker_id="w0")
     await server.start()
@@ -263,14 +268,17 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
         r.join()
     (ta, ca, sa, pa, la), (tb, cb, sb, pb, lb) = marks["start"], marks["end"]
     span = tb - ta
+    # the serving side's CPU: the worker process's, less the stand-in's own spin (--engine-python-ms)
     cpu_s = sum(cb[p][1] - ca[p][1] for p in cb if p in ca) / os.sysconf("SC_CLK_TCK")
+    cpu_s -= (sb - sa) * args.engine_python_ms / 1000
+    cycle_ms = args.step_ms + args.engine_python_ms
     running = min(clients, args.batch)
     tok_s = win.tokens / span
     cpu_us = cpu_s / win.tokens * 1e6 if win.tokens else None
     ttft = sorted(win.ttft)
     return {
-        "clients": clients, "tok_s": tok_s, "ideal_tok_s": running / (args.step_ms / 1000),
-        "steps_s": (sb - sa) / span, "ideal_steps_s": 1000 / args.step_ms,
+        "clients": clients, "tok_s": tok_s, "ideal_tok_s": running / (cycle_ms / 1000),
+        "steps_s": (sb - sa) / span, "ideal_steps_s": 1000 / cycle_ms,
         "late_ms_per_step": 1000 * (lb - la) / (sb - sa) if sb > sa else None,
         "worker_cpu_cores": cpu_s / span, "cpu_us_per_token": cpu_us,
         "step_share": cpu_us * running / (args.step_ms * 1000) if cpu_us else None,
@@ -323,7 +331,8 @@ def run(args) -> dict:
         port = free_port()
         proc = Proc("worker", python_module("bench.worker_path", "serve", "--port", str(port), "--secret", secret,
                                             "--step-ms", str(args.step_ms), "--batch", str(args.batch),
-                                            "--loop", args.loop), log_dir)
+                                            "--engine-python-ms", str(args.engine_python_ms), "--loop", args.loop),
+                    log_dir)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, headers)
@@ -340,7 +349,7 @@ def run(args) -> dict:
     info["loadavg_end"] = list(os.getloadavg())
     print(table(rows))
     print(f"\n{describe(info)}; load {info['loadavg_end'][0]:.2f} at end; step {args.step_ms} ms, batch "
-          f"{args.batch}, {args.max_tokens} tokens a request, window {args.duration} s after {args.warmup} s")
+          f"{args.batch}, engine Python {args.engine_python_ms} ms a step, {args.max_tokens} tokens a request, window {args.duration} s after {args.warmup} s")
     result = {"args": vars(args), "machine": info, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"worker_path-{stamp}.json").write_text(json.dumps(result, indent=1))
@@ -356,6 +365,8 @@ def main(argv=None) -> None:
     for q in (p, w):
         q.add_argument("--step-ms", type=float, default=1.9, help="the stand-in's step time")
         q.add_argument("--batch", type=int, default=64, help="sequences the stand-in runs at once")
+        q.add_argument("--engine-python-ms", type=float, default=0.0,
+                       help="Python the stand-in runs per step holding the GIL, after its sleep (the GPU engine's own)")
         q.add_argument("--loop", default="auto", choices=loops.CHOICES, help="auto: uvloop, as Ray runs actors")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--max-tokens", type=int, default=128)
