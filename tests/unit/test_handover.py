@@ -15,7 +15,7 @@ MS = 1e-3
     (50.0, 64, False, True),  # slow steps (the CPU engine): every step
     (11.4, 256, False, False),  # 256 streams at 1.9 ms: held six steps...
     (13.3, 256, False, True),  # ...handed over after the seventh
-    (0.0, 0, False, True),
+    (0.0, 0, False, True),  # a step with no outputs (prefill only) hands over what is held
 ])
 def test_handover_due(held_ms, streams, first, due):
     assert HANDOVER_S_PER_STREAM == 50e-6  # the table is worked out for this value

@@ -45,7 +45,7 @@ HANDOVER_S_PER_STREAM = 50e-6
 def handover_due(held_s: float, streams: int, first_token: bool) -> bool:
     """Whether the step thread hands its held outputs over now: at once for a request's first token (time
     to first token is not traded), else once they have been held (`held_s`: since the last hand-over)
-    HANDOVER_S_PER_STREAM per stream in the step."""
+    HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once)."""
     return first_token or held_s >= HANDOVER_S_PER_STREAM * streams
 
 
@@ -198,7 +198,7 @@ class EngineBackend(Backend):
                 else:
                     self._fail_all(eng, f"engine step failed: {exc}")
                 continue
-            if outputs:
+            if outputs or self._outbox:  # a step with no outputs (a prefill-only step) hands over what is held
                 self._keep(outputs)
 
     def _keep(self, outputs: list[StepOutput]) -> None:
