@@ -14,6 +14,10 @@ TTFT <= 25 ms, with no errors.
     python -m bench.gateway_overhead --repeats 5 --warmup 2
     python -m bench.gateway_overhead --clients 256 1000 --rate 8 --duration 6   # streams held open ~2 s
     python -m bench.gateway_overhead --no-pulse     # relay against direct only
+    python -m bench.gateway_overhead --pulse-b-cmd "..."   # a second Pulse (another tree) as `pulse_b`, interleaved
+
+With `--pulse-b-cmd` a second `pulse serve` (e.g. an older commit's tree) is measured in the same repeats as the
+first, so an A/B of two trees shares every slice of time on a busy box; the goals are judged on `pulse` only.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO, GOAL_CPU_RATIO = 2.0, 10.0, 0.8, 1.2
 MANY_CLIENTS, GOAL_MANY_P99_MS = 256, 25.0  # from this many clients on, streams are held open: a looser p99
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms", "over_relay_ttft_p50_ms",
                  "req_s", "req_s_vs_relay", "gateway_cpu_ms_per_req", "path_cpu_ms_per_req", "cpu_vs_relay", "rss_mib",
-                 "errors"]
+                 "errors", "gateway_cpu_ms_per_req_vs_b", "path_cpu_ms_per_req_vs_b", "req_s_vs_b"]
 GATEWAY_PROCESS = "ray::ServeRepli"  # the gateway replicas' name in /proc/PID/comm (15 characters)
 PLOT_METRICS = ["added_ttft_p50_ms", "added_ttft_p99_ms", "req_s"]
 
@@ -65,6 +69,10 @@ def derive(records: Sequence[dict], targets: Sequence[str], clients: Sequence[in
                     d["req_s_vs_relay"] = m["req_s"] / relay["req_s"] if relay["req_s"] else None
                     if (cpu := _ratio(m, relay, "path_cpu_ms_per_req")) is not None:
                         d["cpu_vs_relay"] = cpu
+                if target == "pulse" and (b := cfgs.get(config_name("pulse_b", c))) is not None:
+                    for key in ("gateway_cpu_ms_per_req", "path_cpu_ms_per_req", "req_s"):  # A over B, same repeat
+                        if (r := _ratio(m, b, key)) is not None:
+                            d[f"{key}_vs_b"] = r
                 out.append({"phase": "measure", "repeat": repeat, "config": config_name(target, c), "metrics": d})
     return out
 
@@ -117,6 +125,10 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
         pulse = Proc("pulse", shlex.split(args.pulse_cmd.format(port=port, config=config)), log_dir)
         procs.append(pulse)
         targets["pulse"] = f"http://127.0.0.1:{port}"
+        if args.pulse_b_cmd:
+            port = free_port()
+            procs.append(Proc("pulse_b", shlex.split(args.pulse_b_cmd.format(port=port, config=config)), log_dir))
+            targets["pulse_b"] = f"http://127.0.0.1:{port}"
     for proc, url in zip(procs, targets.values()):
         proc.wait_healthy(url + "/health", timeout=args.start_timeout)
     return {name: (url, first_model(url)) for name, url in targets.items()}
@@ -131,9 +143,9 @@ def pulse_config(log_dir: Path, tokens: int, rate: float) -> Path:
 
 
 def serving_paths(procs: list[Proc]) -> dict[str, list[Proc]]:
-    """The processes each target's requests go through (started in the order upstream, relay, pulse)."""
+    """The processes each target's requests go through (started in the order upstream, relay, pulse, pulse_b)."""
     up, relay, *rest = procs
-    return {"direct": [up], "relay": [relay, up], **({"pulse": rest} if rest else {})}
+    return {"direct": [up], "relay": [relay, up], **{p.name: [p] for p in rest}}
 
 
 def first_model(url: str) -> str:
@@ -221,6 +233,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-pulse", action="store_true", help="measure the relay against direct only")
     ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --model gemma-3-270m --host 127.0.0.1 "
                                            "--port {port} --config {config}")
+    ap.add_argument("--pulse-b-cmd", default=None,
+                    help="a second Pulse target, `pulse_b`, measured in the same repeats (same {port} and {config})")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto",
                     help="event loop of the relay, upstream and load generator (auto: uvloop if installed, as Ray)")

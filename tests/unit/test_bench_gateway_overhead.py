@@ -59,3 +59,19 @@ def test_cpu_against_the_relay_and_the_held_open_goals():
     # held-open streams: only the looser p99 (40 ms over direct misses 25) and no errors are judged
     assert lines[-2:] == ["MISS 1000 clients: added_ttft_p99_ms median 40.00 (goal <= 25)",
                           "MET  1000 clients: errors median 0.00 (goal <= 0)"]
+
+
+def test_a_second_pulse_is_paired_with_the_first_in_each_repeat():
+    records = []
+    for r, (a_cpu, b_cpu) in enumerate(((1.0, 2.0), (1.5, 2.0), (0.9, 1.0))):
+        records += [_rec(r, "direct@32", 10.0, 20.0, 900), _rec(r, "relay@32", 11.0, 25.0, 800),
+                    _rec(r, "pulse@32", 12.0, 30.0, 600), _rec(r, "pulse_b@32", 14.0, 40.0, 400)]
+        records[-2]["metrics"]["gateway_cpu_ms_per_req"] = a_cpu
+        records[-1]["metrics"]["gateway_cpu_ms_per_req"] = b_cpu
+    derived = {(d["repeat"], d["config"]): d["metrics"] for d in derive(records, ["direct", "relay", "pulse", "pulse_b"], [32])}
+    assert derived[(0, "pulse@32")]["gateway_cpu_ms_per_req_vs_b"] == pytest.approx(0.5)
+    assert derived[(1, "pulse@32")]["req_s_vs_b"] == pytest.approx(1.5)
+    assert derived[(2, "pulse_b@32")]["req_s_vs_relay"] == pytest.approx(0.5)  # the second one against the relay too
+    assert "gateway_cpu_ms_per_req_vs_b" not in derived[(2, "pulse_b@32")]
+    summary = protocol.summarize(derive(records, ["direct", "relay", "pulse", "pulse_b"], [32]))
+    assert summary["pulse@32"]["gateway_cpu_ms_per_req_vs_b"]["median"] == pytest.approx(0.75)
