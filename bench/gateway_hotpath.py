@@ -1,9 +1,12 @@
-"""CPU of two per-request pieces of the gateway's hot path, with and without their cheaper form.
+"""CPU of per-request pieces of the gateway's hot path, with and without their cheaper form.
 
 - spans: a request's root span plus three child spans (auth, admission, route) and the trace context sent to
   the worker, with no exporter configured: the SDK tracer against QuietTracer (gateway/spans.py);
 - deltas: 16 streamed text deltas of a chat completion, each chunk built and JSON-encoded whole against
-  ChatEvents' pre-encoded frame around the text (gateway/completions.py).
+  ChatEvents' pre-encoded frame around the text (gateway/completions.py);
+- worker leg: one generate request of 16 tokens to a real StreamServer (load-test backend) in this process,
+  read to its end by aiohttp's client (as the gateway did: ClientSession.post, iter_any, split and decode each
+  line) against gateway/channel.py; the server's own CPU is in both figures alike.
 
 Process CPU time per request-equivalent; median and min/max over repeats, interleaved.
 
@@ -12,6 +15,7 @@ Process CPU time per request-equivalent; median and min/max over repeats, interl
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -43,7 +47,80 @@ def cases() -> dict[str, Callable[[], object]]:
     return {"spans, SDK tracer": lambda: spans(raw), "spans, QuietTracer": lambda: spans(QuietTracer(raw)),
             "16 deltas, whole chunk": lambda: [_event(shaper.stream_chunk(f" t{i}", None, None, False))
                                                for i in range(16)],
-            "16 deltas, framed": framed}
+            "16 deltas, framed": framed,
+            "worker leg, aiohttp": lambda: LEG.run("aiohttp"), "worker leg, channel": lambda: LEG.run("channel")}
+
+
+class _WorkerLeg:
+    """A load-test StreamServer on loopback and both clients of it, on an event loop of its own, made on first use
+    (listing the cases starts nothing)."""
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, client: str) -> int:
+        if self.loop is None:
+            try:
+                import uvloop
+
+                self.loop = uvloop.new_event_loop()  # the gateway's loop (Ray Serve runs replicas on uvloop)
+            except ImportError:
+                self.loop = asyncio.new_event_loop()
+            self.loop.run_until_complete(self._start())
+        return self.loop.run_until_complete(self._aiohttp() if client == "aiohttp" else self._channel())
+
+    async def _start(self) -> None:
+        import aiohttp
+
+        from gateway.channel import Channels
+        from policy.config import PulseConfig
+        from workers.loadtest import LoadTestBackend
+        from workers.protocol import GenerateRequest, encode
+        from workers.stream import StreamServer
+
+        config = PulseConfig.model_validate({"workers": {"backend": "loadtest", "loadtest": {"tokens": 16}}})
+        self.server = StreamServer(LoadTestBackend(config, worker_id="w0"), worker_id="w0")
+        self.url = await self.server.start()
+        self.body = encode(GenerateRequest(request_id="r", prompt_ids=[1, 2, 3], max_tokens=16))
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                                             auto_decompress=False)
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
+        self.channels = Channels()
+
+    async def _aiohttp(self) -> int:
+        from workers.protocol import chunk_decoder
+
+        resp = await self.session.post(self.url + "/generate", data=self.body, timeout=self.timeout,
+                                       headers={"Content-Type": "application/json",
+                                                "Authorization": f"Bearer {self.server.secret}"})
+        tail, n = b"", 0
+        async for data in resp.content.iter_any():
+            *lines, tail = (tail + data).split(b"\n")
+            n += len([chunk_decoder.decode(line) for line in lines if line.strip()])
+        resp.close()
+        return n
+
+    async def _channel(self) -> int:
+        stream = await self.channels.open(self.url, "/generate", self.body, self.server.secret)
+        n = 0
+        async for batch in stream.batches():
+            n += len(batch)
+        stream.close()
+        return n
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.run_until_complete(self._stop())
+            self.loop.close()
+            self.loop = None
+
+    async def _stop(self) -> None:
+        await self.session.close()
+        await self.channels.close()
+        await self.server.close()
+
+
+LEG = _WorkerLeg()
 
 
 def cpu_us(fn: Callable[[], object], n: int) -> float:
@@ -61,9 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = cases()
     got: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, fn in runs.items():
-            got[name].append(cpu_us(fn, args.n))
+    try:
+        for _ in range(args.repeats):
+            for name, fn in runs.items():
+                got[name].append(cpu_us(fn, args.n))
+    finally:
+        LEG.close()
     for name, values in got.items():
         print(f"{name:24s} {statistics.median(values):7.1f} us CPU per request ({min(values):.1f}-{max(values):.1f})")
     return 0
