@@ -56,7 +56,7 @@ def _address(url: str) -> tuple[str, int, str]:
 class WorkerStream(asyncio.Protocol):
     """One connection to a worker and the response being read on it (one at a time: no pipelining)."""
 
-    def __init__(self, pool: "Channels", key: tuple[str, int]):
+    def __init__(self, pool: Channels, key: tuple[str, int]):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
@@ -100,9 +100,9 @@ class WorkerStream(asyncio.Protocol):
         self._got_bytes = True
         try:
             self._parse(self._buf + data if self._buf else data)
-        except Exception as e:  # a malformed frame or line: end the stream with it, drop the connection
+        except ValueError as e:  # a malformed frame or line (msgspec.DecodeError too): end the stream with it
             self._keep = False
-            self._error = e if isinstance(e, (ValueError, OSError)) else ValueError(str(e))
+            self._error = e
             if self.transport is not None:
                 self.transport.close()
         if self._ready_bytes >= HIGH_WATER and not self._paused and self.transport is not None:
@@ -295,7 +295,7 @@ def _decode_into(ready: list[Chunk], lines: bytes) -> None:
 
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
-        fut.set_exception(asyncio.TimeoutError("no data from the worker within the read timeout"))
+        fut.set_exception(TimeoutError("no data from the worker within the read timeout"))
 
 
 class Channels:

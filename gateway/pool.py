@@ -20,9 +20,9 @@ import msgspec
 
 from gateway.channel import Channels, WorkerStream
 from workers.protocol import (
-    BlockBatch,
     BackendError,
     BackendStats,
+    BlockBatch,
     Chunk,
     GenerateRequest,
     WorkerInfo,
@@ -160,7 +160,7 @@ class WorkerPool:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
             w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
-        except (aiohttp.ClientError, asyncio.TimeoutError, BackendError, OSError):
+        except (TimeoutError, aiohttp.ClientError, BackendError, OSError):
             w.healthy = False
             if rediscover:
                 self._schedule_rediscover(w.worker_id)
@@ -213,13 +213,13 @@ class WorkerPool:
         """
         try:
             resp = await self._channels.open(w.info.url, "/generate", encode(request), w.info.secret)
-        except (asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             self.record_failure(w)
             raise BackendError(f"worker {w.worker_id} unreachable: {e}", 503, "worker_unreachable") from None
         if resp.status != 200:
             try:
                 body = await resp.body()
-            except (asyncio.TimeoutError, OSError, ValueError):
+            except (TimeoutError, OSError, ValueError):
                 body = b""
             finally:
                 resp.close()

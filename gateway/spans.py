@@ -35,7 +35,7 @@ class _Current(AbstractContextManager):
 class _Unrecorded(AbstractContextManager):
     """`with` a new NonRecordingSpan as the current span: what the SDK's tracer makes with ALWAYS_OFF."""
 
-    __slots__ = ("_ids", "_parent", "span", "_token")
+    __slots__ = ("_ids", "_parent", "_token", "span")
 
     def __init__(self, ids, parent):
         self._ids, self._parent = ids, parent
@@ -53,7 +53,6 @@ class _Unrecorded(AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         otel_context.detach(self._token)
-        return None
 
 
 class QuietTracer:

@@ -95,12 +95,16 @@ async def test_bad_framing_is_a_value_error():
 
 
 async def test_a_connection_cut_mid_answer_raises_and_is_not_kept():
-    s, t = _stream()
+    channels = Channels()
+    s = WorkerStream(channels, ("127.0.0.1", 1))
+    s.connection_made(_Transport())
     s.data_received(HEAD + BODY[:20])
     await s.head()
     s.connection_lost(None)
     with pytest.raises(ConnectionResetError):
         await _read(s)
+    s.close()
+    assert channels.idle_count() == 0
 
 
 async def test_a_reader_that_stops_pauses_the_socket_and_reading_resumes_it():
