@@ -6,6 +6,8 @@
 #   call 1: bash bench/gpu_build_llama.sh   carrying .llama (llama-server with CUDA, ~4 min in the background)
 #   calls 2..N+1: bash .device/stage-K/unpack.sh   carrying .device/stage-K, the last one with .devcache
 #   then:  bash bench/gpu_served.sh story   (or code, json), each call carrying nothing more
+#   (or, so that uncommitted edits stay here: bash bench/gpu_clean_copy.sh, carry .device/clean, and run
+#    `cd .device/clean && bash bench/gpu_served.sh story`: the result then names the archived commit)
 #
 # Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
 # clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the

@@ -49,9 +49,20 @@ def mem_total_gib() -> float | None:
     return None
 
 
+def tree_commit(repo: Path = REPO) -> tuple[str | None, bool]:
+    """(commit, dirty) of the tree the benches run from. A tree that is not its own git checkout (a `git archive`
+    copy carried to the GPU machine inside another one: bench/gpu_clean_copy.sh) names its commit in a COMMIT
+    file and is clean by construction; without one its commit is unknown, never the enclosing checkout's."""
+    top = _run(["git", "rev-parse", "--show-toplevel"], cwd=repo)
+    if not top or Path(top).resolve() != repo.resolve():
+        stamp = repo / "COMMIT"
+        return (stamp.read_text().strip() or None) if stamp.is_file() else None, False
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
+    return commit or None, bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo))
+
+
 def machine_info() -> dict:
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO)
-    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO))
+    commit, dirty = tree_commit()
     return {
         "cpu": cpu_model(_read("/proc/cpuinfo")),
         "cores": os.cpu_count(),

@@ -42,3 +42,4 @@ def test_engine_alone_runs_every_client_request_to_its_length():
                                   tag="t")
     assert generated == 2 * 2 * 3 and seconds > 0
     assert not engine.has_work()
+
