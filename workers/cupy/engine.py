@@ -14,7 +14,7 @@ import numpy as np
 
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
-from workers.cupy.rng import index_key, index_keys
+from workers.cupy.rng import index_keys
 from workers.cupy.sampler import Sampler, SampleRow
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import SeqStatus, Sequence
@@ -136,12 +136,9 @@ class Engine:
             self._recent.popleft()
         return emitted
 
-    def sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
-        """The sampler's row for `seq`'s generated token number num_output + ahead."""
-        return SampleRow(seq.sampling, index_key(seq.seed_key(), seq.num_output + ahead), seq.logprobs)
-
     def sample_rows(self, seqs: list[Sequence], ahead: list[int] | None = None) -> list[SampleRow]:
-        """sample_row of each of `seqs` (`ahead`: each one's offset), the keys computed for all rows at once."""
+        """The sampler's row for each of `seqs`' next generated token (number num_output, plus its `ahead`
+        offset where given: a verify step's drafted positions), the keys computed for all rows at once."""
         n = len(seqs)
         mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
         index = np.fromiter((s.num_output for s in seqs), np.uint64, n)
@@ -152,7 +149,7 @@ class Engine:
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:
         """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it.
-        `rows`: their sample rows when the step already built them (sample_row of each, now)."""
+        `rows`: their sample rows when the step already built them (sample_rows of them, now)."""
         rows = rows if rows is not None else self.sample_rows(seqs)
         tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index)
         outputs = []
