@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
+from bench.protocol import spread
 from bench.served import SAMPLING, prompts
 
 
@@ -76,10 +76,6 @@ def run_cell(engine, prompt_ids: list[list[int]], batch: int, per_client: int, t
     return generated, time.perf_counter() - t0
 
 
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": xs}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_batches", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF file; empty: Pulse's bundled model")
@@ -114,7 +110,7 @@ def main(argv=None) -> int:
                 if rep:
                     res["cells"].setdefault(f"{s}/b{b}", []).append(rate)
                 print(f"{'warm-up' if not rep else f'repeat {rep}'} {s} batch {b}: {rate:,.0f} tok/s", flush=True)
-    res["cells"] = {k: summary(v) for k, v in res["cells"].items()}
+    res["cells"] = {k: {**spread(v), "samples": v} for k, v in res["cells"].items()}
     print(f"engine alone ({'adaptive speculation' if res['speculation'] else 'no speculation'}), setup {setup_s:.1f} s")
     for k, v in res["cells"].items():
         print(f"{k:14s} median {v['median']:10,.0f} tok/s  min {v['min']:10,.0f}  max {v['max']:10,.0f}  n={v['n']}")

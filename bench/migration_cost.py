@@ -7,7 +7,7 @@ in one run, interleaved:
 - "Relay": gateway/migration.py's Relay.batches() over the same batches (the final-chunk check plus the
   tracking);
 - "Relay, scanning every chunk": the same with the final-chunk check looking at every chunk of a batch
-  (`scan_until_end`, the form before the last-chunk fast path), swapped in for that case only;
+  (gateway.migration's `_scan_to_end`, the form before the last-chunk fast path), swapped in for that case only;
 - "tracking only": the tracking statement alone, into an array('i') as the Relay does
   (`delivered.fromlist(chunk.token_ids)`: 4 bytes a token), into a list (`delivered += chunk.token_ids`:
   a slot plus the id's int object kept alive, ~36 bytes a token), and into an array by `extend`; "loop
@@ -60,16 +60,6 @@ async def plain(batches: list[list[Chunk]]) -> int:
     async for b in relay():
         n += len(b)
     return n
-
-
-def scan_until_end(batch: list[Chunk]) -> tuple[list[Chunk], str | None]:
-    """gateway.migration._until_end without its fast path: every chunk of every batch is looked at."""
-    for i, c in enumerate(batch):
-        if c.finish_reason == "error":
-            return batch[:i], c.error or "generation failed"
-        if c.finish_reason is not None:
-            return batch[: i + 1], None
-    return batch, None
 
 
 async def relay(batches: list[list[Chunk]], tokens: int, until_end=None) -> int:
@@ -131,10 +121,12 @@ def empty_loop(batches: list[list[Chunk]]) -> int:
 
 
 def cases(batches) -> dict[str, Callable[[], int]]:
+    from gateway import migration
+
     tokens = sum(len(c.token_ids) for b in batches for c in b)
     return {"plain relay": lambda: asyncio.run(plain(batches)),
             "Relay (migration.py)": lambda: asyncio.run(relay(batches, tokens)),
-            "Relay, scanning every chunk": lambda: asyncio.run(relay(batches, tokens, scan_until_end)),
+            "Relay, scanning every chunk": lambda: asyncio.run(relay(batches, tokens, migration._scan_to_end)),
             "loop only": lambda: empty_loop(batches),
             "tracking, array fromlist": lambda: tracking(batches),
             "tracking, list +=": lambda: tracking_list(batches),

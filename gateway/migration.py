@@ -128,6 +128,11 @@ def _until_end(batch: list[Chunk]) -> tuple[list[Chunk], str | None]:
     (which is left out: the generation goes on elsewhere)."""
     if batch[-1].finish_reason is None:  # most batches: a worker sends nothing after its final chunk
         return batch, None
+    return _scan_to_end(batch)
+
+
+def _scan_to_end(batch: list[Chunk]) -> tuple[list[Chunk], str | None]:
+    """_until_end, chunk by chunk."""
     for i, c in enumerate(batch):
         if c.finish_reason == "error":
             return batch[:i], c.error or "generation failed"

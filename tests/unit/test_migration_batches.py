@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from bench import migration_cost
-from gateway.migration import _until_end
+from gateway.migration import _scan_to_end, _until_end
 from workers.protocol import Chunk, Usage
 
 TOK = Chunk(text="a", token_ids=[1])
@@ -23,7 +23,7 @@ ERR = Chunk(finish_reason="error", error="llama-server process died")
 ], ids=["one", "two", "final", "final-alone", "error-after-tokens", "error-alone", "error-without-text"])
 def test_until_end(batch, good, broken):
     assert _until_end(batch) == (good, broken)
-    assert migration_cost.scan_until_end(batch) == (good, broken)  # the bench's before-form agrees
+    assert _scan_to_end(batch) == (good, broken)  # the form without the fast path (the bench's before-form)
 
 
 def test_cost_bench_runs_every_case(capsys):

@@ -19,7 +19,9 @@ M64 = (1 << 64) - 1
 NOISE_MAX = 23.0  # bound on the noise: v >= 2^-33 gives -log(E) <= 22.87
 
 
-def splitmix64(x: int) -> int:
+def splitmix64(x):
+    """SplitMix64's finalizer on a Python int, or elementwise on a numpy uint64 array (whose arithmetic wraps as
+    the masks do; call it under np.errstate(over="ignore"))."""
     x = (x + 0x9E3779B97F4A7C15) & M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
@@ -45,10 +47,7 @@ def index_key(mixed_seed: int, index: int) -> tuple[int, int]:
 def index_keys(mixed_seeds: np.ndarray, indexes: np.ndarray) -> list[tuple[int, int]]:
     """index_key for many rows at once (uint64 arrays; numpy's uint64 arithmetic wraps as `& M64` does)."""
     with np.errstate(over="ignore"):
-        x = mixed_seeds + indexes + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = x ^ (x >> np.uint64(31))
+        z = splitmix64(mixed_seeds + indexes)
     return list(zip((z & np.uint64(0xFFFFFFFF)).tolist(), (z >> np.uint64(32)).tolist()))
 
 
