@@ -31,6 +31,22 @@ def make_config(tmp: Path, **overrides) -> PulseConfig:
     return PulseConfig.model_validate({"workers": {"backend": "llama-server", "llama_server": ls}})
 
 
+def serve_config(tmp: Path, *, slots: int, kv_tokens: int, threads: int, count: int | None = None,
+                 timeouts: bool = True, more: str = "") -> str:
+    """`pulse serve`'s config for the bundled Gemma on llama-server workers (count: the default where None),
+    logs in `tmp`; `timeouts`: the short header and stop waits a test of a dying process wants; `more`: further
+    top-level YAML."""
+    waits = ", headers_timeout_s: 20, stop_grace_s: 3" if timeouts else ""
+    count_line = "" if count is None else f"\n  count: {count}"
+    return f"""
+model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
+workers:
+  backend: llama-server{count_line}
+  llama_server: {{binary: "{llama_server_binary()}", slots: {slots}, kv_tokens: {kv_tokens}, threads: {threads},
+                  log_dir: "{tmp}"{waits}}}
+{more}"""
+
+
 def make_backend(tmp: Path, sink=None, **overrides) -> LlamaServerBackend:
     config = make_config(tmp, **overrides)
     return LlamaServerBackend(config, builtin_profiles()["cpu"], load_model_info(), block_sink=sink, worker_id="t")

@@ -14,7 +14,7 @@ import pytest
 
 from bench.llama_server_overhead import llama_servers
 from tests.conftest import PulseProcess
-from tests.integration.llama_server_helpers import encode, llama_server_binary
+from tests.integration.llama_server_helpers import encode, serve_config
 from workers.protocol.model import load_model_info
 
 PROMPT = "The three primary colours are red, yellow and blue. Explain how to mix green paint, step by step:"
@@ -23,14 +23,9 @@ PROMPT = "The three primary colours are red, yellow and blue. Explain how to mix
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    config = f"""
-model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
-workers:
-  backend: llama-server
-  count: 1
-  llama_server: {{binary: "{llama_server_binary()}", slots: 4, kv_tokens: 8192, threads: 1, log_dir: "{tmp}"}}
-admission: {{queue_deadline_s: 600}}  # a shared 2-core box may take minutes: the queue's 429 is not under test
-"""
+    # a shared 2-core box may take minutes: the queue's 429 is not under test
+    config = serve_config(tmp, count=1, slots=4, kv_tokens=8192, threads=1, timeouts=False,
+                          more="admission: {queue_deadline_s: 600}\n")
     srv = PulseProcess([], config, tmp).wait_ready()
     try:
         gguf = load_model_info().path

@@ -27,7 +27,7 @@ import pytest
 
 from bench.faults import both_serving, child_pids, worker_pid, workers
 from tests.conftest import PulseProcess
-from tests.integration.llama_server_helpers import llama_server_binary
+from tests.integration.llama_server_helpers import serve_config
 from tests.otlp_sink import OtlpSink
 
 pytestmark = pytest.mark.slow
@@ -39,18 +39,9 @@ KILL_AT = 8  # the stream's chunk at which its worker (or its llama-server) is k
 
 @pytest.fixture(scope="module")
 def two_llama_workers(tmp_path_factory):
-    binary = llama_server_binary()  # skips when not built
     tmp = tmp_path_factory.mktemp("pulse-llama-migration")
-    config = f"""
-model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
-workers:
-  backend: llama-server
-  count: 2
-  llama_server: {{binary: "{binary}", slots: 2, kv_tokens: 2048, threads: 1, log_dir: "{tmp}",
-                  headers_timeout_s: 20, stop_grace_s: 3}}
-server:
-  drain_grace_s: 2
-"""
+    config = serve_config(tmp, count=2, slots=2, kv_tokens=2048, threads=1,  # skips when llama-server is not built
+                          more="server:\n  drain_grace_s: 2\n")
     with OtlpSink() as sink:
         srv = PulseProcess([], config, tmp, env=sink.env("http/protobuf")).wait_ready(300)
         try:

@@ -8,47 +8,25 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from bench.faults import chat_body, health, listening_pids, port_of, record, settled_idle, stream_chat, wait_until, workers
-from bench.procs import descendants
+from bench.faults import chat_body, child_pids, health, listening_pids, port_of, record, settled_idle, stream_chat, wait_until, workers
 from tests.conftest import PulseProcess
-from tests.integration.llama_server_helpers import llama_server_binary
+from tests.integration.llama_server_helpers import serve_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def llama_serve(tmp_path_factory):
-    binary = llama_server_binary()  # skips when not built
     tmp = tmp_path_factory.mktemp("pulse-llama")
-    config = f"""
-model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
-workers:
-  backend: llama-server
-  llama_server: {{binary: "{binary}", slots: 2, kv_tokens: 4096, threads: 2, log_dir: "{tmp}",
-                  headers_timeout_s: 20, stop_grace_s: 3}}
-server:
-  drain_grace_s: 2
-"""
+    config = serve_config(tmp, slots=2, kv_tokens=4096, threads=2,  # skips when llama-server is not built
+                          more="server:\n  drain_grace_s: 2\n")
     srv = PulseProcess([], config, tmp).wait_ready(300)
     yield srv
     srv.stop()
-
-
-def llama_pids(worker_pid: int) -> list[int]:
-    out = []
-    for pid in descendants(worker_pid):
-        try:
-            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-        except OSError:
-            continue
-        if argv0.endswith(b"llama-server"):
-            out.append(pid)
-    return out
 
 
 async def test_kill_llama_server_mid_stream(llama_serve):
@@ -56,7 +34,7 @@ async def test_kill_llama_server_mid_stream(llama_serve):
     outage: list[tuple[float, int, int, str | None]] = []
     async with aiohttp.ClientSession() as s:
         (worker_pid,) = listening_pids(port_of((await workers(s, base))[0]["url"]))
-        (victim,) = llama_pids(worker_pid)
+        (victim,) = child_pids(worker_pid, "llama-server")
         killed: dict = {}
 
         async def kill_at_5(seen) -> None:
@@ -77,7 +55,7 @@ async def test_kill_llama_server_mid_stream(llama_serve):
 
         to_healthy = await wait_until(served, 120, 0.2)
         (new_worker_pid,) = listening_pids(port_of((await workers(s, base))[0]["url"]))
-        new_llama = llama_pids(new_worker_pid)
+        new_llama = child_pids(new_worker_pid, "llama-server")
         idle = await settled_idle(s, base)
     assert len(cut.error_events) == 1 and cut.error_events[0]["error"]["code"] == "worker_failed", cut
     assert cut.closed and not cut.done and cut.ended - killed["t"] < 5, cut
