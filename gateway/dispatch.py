@@ -58,7 +58,7 @@ class Dispatcher:
             # Before any await, so the next routing decision sees this request: its slot, the prefill it
             # queues there, and (in-process index) the blocks the worker is about to compute.
             prefill = max(0, len(gen.prompt_ids) - routed.cached_tokens)
-            w.inflight += 1
+            w.opened()
             w.pending_prefill += prefill
             self._remember(w, routed)
             try:
@@ -66,7 +66,7 @@ class Dispatcher:
                 chunks = iter_batches(resp)
                 first = await self._first(w, resp, chunks)
             except BackendError as e:
-                w.inflight -= 1
+                w.closed()
                 w.pending_prefill -= prefill
                 self._forget(w, routed)
                 self.gate.leave()
@@ -77,7 +77,7 @@ class Dispatcher:
                     raise APIError(e.status, e.message, code=e.code) from None
                 continue
             except BaseException:
-                w.inflight -= 1
+                w.closed()
                 w.pending_prefill -= prefill
                 self.gate.leave()
                 raise
@@ -86,7 +86,7 @@ class Dispatcher:
         raise self._exhausted(last)
 
     def close(self, ticket: Ticket) -> None:
-        ticket.worker.inflight -= 1
+        ticket.worker.closed()
         ticket.response.close()
         self.gate.leave()
 

@@ -40,7 +40,15 @@ Discover = Callable[[str | None], Awaitable[list[WorkerInfo]]]
 class WorkerState:
     info: WorkerInfo
     stats: BackendStats = field(default_factory=BackendStats)
-    inflight: int = 0  # streams this gateway has open to the worker
+    inflight: int = 0  # requests this gateway has routed there and not yet closed (opened/closed keep it)
+    # Of the polled stats' running + waiting, how many were this gateway's own, taken as its peak in-flight
+    # count from the poll before to this poll's answer: the worker's figure may be older than its answer (a
+    # backend may report what it sampled a little earlier), so a request that ended just before the poll may
+    # still be in it.
+    # Routing counts the worker's load as (polled - polled_own) + inflight: other replicas' requests as last
+    # polled, its own as of now. Overcounting its own hides others' requests until the next poll at most.
+    polled_own: int = 0
+    inflight_peak: int = 0  # the peak since the last poll was sent
     pending_prefill: int = 0  # uncached prompt tokens sent there that have not produced a first chunk yet
     healthy: bool = True
     failures: int = 0  # consecutive failures (circuit breaker)
@@ -54,6 +62,15 @@ class WorkerState:
 
     def routable(self, now: float) -> bool:
         return self.healthy and now >= self.open_until
+
+    def opened(self) -> None:
+        """This gateway sent the worker a request (counts at once, before the worker's next stats)."""
+        self.inflight += 1
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
+
+    def closed(self) -> None:
+        """The request ended (or was refused): it stops counting at once, though the last poll saw it."""
+        self.inflight -= 1
 
     @property
     def auth(self) -> dict[str, str]:
@@ -153,12 +170,14 @@ class WorkerPool:
         """Refresh one worker's load and health (and its block events); a failure marks it unhealthy and,
         unless this poll is itself part of a rediscovery, looks the worker up again."""
         assert self._session is not None
+        before, w.inflight_peak = w.inflight_peak, w.inflight  # see WorkerState.polled_own
         try:
             async with self._session.get(w.info.url + "/stats", headers=w.auth,
                                          timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
+            w.polled_own = max(before, w.inflight_peak)
             w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
         except (TimeoutError, aiohttp.ClientError, BackendError, OSError):
             w.healthy = False

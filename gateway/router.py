@@ -153,12 +153,14 @@ def shared_pending(workers: Sequence) -> dict[str, int]:
 
 def load_of(w, sessions: int = 0, shared_pending_prefill: int = 0) -> WorkerLoad:
     """A WorkerState as routing sees it: its last BackendStats plus what this gateway knows fresher than the
-    last stats poll: requests in flight there, the uncached prompt tokens still waiting for prefill (its own
-    and its device neighbours'), and the live conversations it placed there."""
+    last stats poll: requests in flight there (and how many of the polled ones were its own), the uncached
+    prompt tokens still waiting for prefill (its own and its device neighbours'), and the live conversations
+    it placed there."""
     return WorkerLoad.from_stats(
         w.worker_id,
         msgspec.structs.asdict(w.stats),
         inflight=w.inflight,
+        polled_inflight=getattr(w, "polled_own", None),
         pending_prefill_tokens=getattr(w, "pending_prefill", 0),
         shared_pending_prefill_tokens=shared_pending_prefill,
         healthy=w.healthy and w.stats.healthy,

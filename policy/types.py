@@ -1,8 +1,10 @@
 """Plain data that routing and admission decide on. No I/O; the gateway fills these in.
 
 - `WorkerLoad`: one worker as the router sees it. Build it from a worker's BackendStats plus what this
-  gateway knows fresher than the last stats poll (requests it has in flight there):
-      WorkerLoad.from_stats(worker_id, msgspec.structs.asdict(stats), inflight=n, pending_prefill_tokens=t)
+  gateway knows fresher than the last stats poll (requests it has in flight there, and how many of the
+  polled ones were its own):
+      WorkerLoad.from_stats(worker_id, msgspec.structs.asdict(stats), inflight=n, polled_inflight=m,
+                            pending_prefill_tokens=t)
 - `RouteRequest`: what routing needs of a request (token counts, session, a per-gateway sequence number).
 - `RouteDecision`: the chosen worker (None if none can serve) and a short machine-readable reason.
 - `AdmissionRequest`, `QueueState`, `AdmissionDecision`: admission's inputs and answer.
@@ -41,6 +43,9 @@ class WorkerLoad:
     tokens_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     inflight: int = 0  # requests this gateway has outstanding at the worker (fresher than stats)
+    # of running + waiting, the requests that were this gateway's own when the stats were taken; None: unknown,
+    # taken as all of `inflight` (which makes `active` the larger of the two counts)
+    polled_inflight: int | None = None
     pending_prefill_tokens: int = 0  # prompt tokens sent there that have not produced a first token yet
     shared_pending_prefill_tokens: int = 0  # the same, summed over the other workers on this worker's device
     reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
@@ -56,8 +61,10 @@ class WorkerLoad:
 
     @property
     def active(self) -> int:
-        """Requests at the worker: the larger of its own count and what this gateway sent there."""
-        return max(self.running + self.waiting, self.inflight)
+        """Requests at the worker: the others' as its stats counted them, plus this gateway's as of now (so a
+        request of this gateway that ended since the stats stops counting at once)."""
+        own = self.inflight if self.polled_inflight is None else self.polled_inflight
+        return max(0, self.running + self.waiting - own) + self.inflight
 
     @property
     def occupancy(self) -> float:

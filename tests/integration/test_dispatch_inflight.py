@@ -25,7 +25,7 @@ from gateway.pool import WorkerPool
 from gateway.router import PrefixRouter, load_of
 from policy.config import PulseConfig
 from workers.loadtest import LoadTestBackend
-from workers.protocol import GenerateRequest, WorkerInfo
+from workers.protocol import BackendStats, GenerateRequest, WorkerInfo
 from workers.stream import StreamServer
 
 PROMPT = list(range(1000, 1000 + 640))  # 40 blocks of 16
@@ -121,5 +121,79 @@ async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_
         assert ticket.worker.worker_id == "w0"
         assert ticket.first and not ticket.first[0].error
         dispatcher.close(ticket)
+    finally:
+        await _teardown(servers, pool)
+
+
+async def _finish(dispatcher: Dispatcher, ticket) -> None:
+    """Read a stream to its end (the worker's generation is over), then close it as the relay does."""
+    async for _ in ticket.chunks:
+        pass
+    dispatcher.close(ticket)
+
+
+async def test_a_finished_request_stops_counting_before_the_next_poll():
+    """The stats poll saw this gateway's request running; once it ends, the worker's load drops at once
+    (the next request to the prefix holder must not see it busy until the next poll, 0.5 s later)."""
+    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=200.0), n=1)  # poll_interval 30 s
+    (w,) = pool.workers.values()
+    try:
+        ticket = await dispatcher.open(GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4))
+        await pool.poll_once()
+        assert w.stats.running == 1 and load_of(w).active == 1
+        await _finish(dispatcher, ticket)
+        assert servers[0].backend.running == 0 and w.stats.running == 1  # the polled figure is stale
+        assert load_of(w).active == 0
+        await pool.poll_once()
+        assert load_of(w).active == 0
+    finally:
+        await _teardown(servers, pool)
+
+
+async def test_another_replicas_requests_count_through_the_poll_and_ours_at_once():
+    """Two gateway replicas (two pools and dispatchers) on one worker: the other's request is seen only
+    through the poll; this one's own request counts from its routing to its end, on top of it."""
+    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=20.0), n=1)
+    other_pool = WorkerPool(pool._discover, poll_interval_s=30)
+    await other_pool.start()
+    other = Dispatcher(other_pool, PrefixRouter(None, PulseConfig().routing), AdmissionGate(PulseConfig().admission),
+                       GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768)
+    (w,) = pool.workers.values()
+    try:
+        theirs = await other.open(GenerateRequest(request_id="theirs", prompt_ids=[1, 2, 3], max_tokens=4))
+        assert load_of(w).active == 0  # not polled yet: this replica cannot know
+        await pool.poll_once()
+        assert load_of(w).active == 1
+        ours = await dispatcher.open(GenerateRequest(request_id="ours", prompt_ids=[4, 5, 6], max_tokens=4))
+        assert load_of(w).active == 2
+        await pool.poll_once()
+        assert (w.stats.running, w.polled_own, load_of(w).active) == (2, 1, 2)
+        await _finish(dispatcher, ours)
+        assert load_of(w).active == 1  # theirs, as last polled
+        await _finish(other, theirs)
+        await pool.poll_once()
+        assert load_of(w).active == 0
+    finally:
+        await other_pool.close()
+        await _teardown(servers, pool)
+
+
+async def test_the_polled_share_is_the_peak_in_flight_since_the_poll_before():
+    """The worker's figure may be older than its answer (the engine process reports it every 50 ms): what it
+    counted of this gateway's is taken as the most this gateway had in flight from the poll before to this
+    poll's answer, so a request that ended just before the poll does not count twice."""
+    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=200.0), n=1)
+    (w,) = pool.workers.values()
+    try:
+        tickets = [await dispatcher.open(GenerateRequest(request_id=f"r{i}", prompt_ids=[i + 1], max_tokens=4))
+                   for i in range(3)]
+        for t in tickets:
+            await _finish(dispatcher, t)
+        await pool.poll_once()
+        assert w.polled_own == 3  # the peak since the poll before
+        w.stats = BackendStats(running=3, slots=64)  # what a worker whose figure lags its answer could have said
+        assert load_of(w).active == 0
+        await pool.poll_once()
+        assert w.polled_own == 0 and load_of(w).active == 0  # a quiet interval: nothing of ours to subtract
     finally:
         await _teardown(servers, pool)

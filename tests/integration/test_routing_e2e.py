@@ -66,13 +66,10 @@ async def test_hot_prefix_spreads_under_overload(two_workers):
     async with aiohttp.ClientSession() as s:
         holder, _ = await chat(s, two_workers.base, shared + [{"role": "user", "content": "warm up"}])
         await asyncio.sleep(0.8)
-        alone = []
-        for i in range(5):
-            alone.append(await chat(s, two_workers.base, shared + [{"role": "user", "content": f"alone {i}"}]))
-            # the gateway reads a worker's running count from its stats, polled every 0.5 s: sent back to back,
-            # a request may still see the previous one running on the holder and (the hot prefix being short)
-            # go to the idle worker (seen once in a CI-style run, 2026-12-01). One at a time means after that.
-            await asyncio.sleep(0.6)
+        # back to back: the holder's last stats may still show the previous request running; the gateway
+        # counts its own requests itself, so one that ended no longer makes the holder look busy
+        alone = [await chat(s, two_workers.base, shared + [{"role": "user", "content": f"alone {i}"}])
+                 for i in range(5)]
         results = await asyncio.gather(*(chat(s, two_workers.base, shared + [{"role": "user", "content": f"task {i}"}],
                                               max_tokens=24) for i in range(8)))
     assert [w for w, _ in alone] == [holder] * 5, (holder, alone)

@@ -72,6 +72,11 @@ PULSE_CASES = [
         "least_loaded",
     ),
     ("gateway inflight counts as load", [W("a", 0, inflight=4), W("b", 1)], {}, R(1000), "b", "least_loaded"),
+    # a short hot prefix (32 tokens saved < running_cost_tokens): the holder's polled running request decides
+    ("this gateway's request, ended since the poll, no longer counts", [W("a", 1, polled_inflight=1), W("b")],
+     {"a": 2}, R(1000), "a", "prefix_hit"),
+    ("another gateway's polled request still counts", [W("a", 1, polled_inflight=0), W("b")], {"a": 2}, R(1000),
+     "b", "least_loaded"),
     ("session affinity on a miss", [W("a"), W("b"), W("c")], {}, R(session=sess_for("c")), "c", "session_affinity"),
     (
         "session yields when its worker is overloaded",
@@ -104,6 +109,19 @@ PULSE_CASES = [
 def test_pulse_table(name, workers, hits, req, want, reason):
     d = choose_worker(workers, hits, req, PULSE)
     assert (d.worker_id, d.reason) == (want, reason), d
+
+
+@pytest.mark.parametrize("running,waiting,polled_inflight,inflight,active", [
+    (2, 1, None, 0, 3),  # unknown share: the larger of the two counts, as before
+    (2, 0, None, 5, 5),
+    (1, 0, 1, 0, 0),  # ours ended since the poll
+    (3, 1, 1, 2, 5),  # 3 others' as polled, 2 of ours now
+    (0, 0, 2, 1, 1),  # ours were not yet at the worker when it answered
+])
+def test_active_counts_others_as_polled_and_this_gateways_as_of_now(running, waiting, polled_inflight, inflight,
+                                                                    active):
+    w = W("a", running, waiting, inflight=inflight, polled_inflight=polled_inflight)
+    assert w.active == active
 
 
 def test_no_healthy_worker():
@@ -180,6 +198,7 @@ workers_st = st.lists(
         kv_blocks_total=st.integers(0, 200),
         kv_blocks_used=st.integers(0, 200),
         inflight=st.integers(0, 10),
+        polled_inflight=st.none() | st.integers(0, 10),
     ),
     max_size=6,
     unique_by=lambda w: w.worker_id,
