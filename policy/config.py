@@ -110,6 +110,11 @@ class EngineConfig(PulseModel):
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    process: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run the engine in a process of its own beside the worker's (token ids cross a local "
+        "socket), so its step thread does not share a GIL with the streams the worker serves; auto: on where the "
+        "engine is on a GPU and not split into pipeline stages."
+    )
     window_pool: bool = Field(
         True, description="Sliding-window layers keep only their window, in a KV pool of their own; the rest of the "
         "KV budget goes to the global layers (more context in the same memory). Off: every layer keeps every block."

@@ -19,11 +19,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def engine_backend(tmp_path):
+def engine_backend(tmp_path, process: str = "off"):
     from workers.cupy.backend import EngineBackend
 
-    config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4}}})
+    config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4,
+                                                                "process": process}}})
     return EngineBackend(config, builtin_profiles()["cpu"], load_model_info(None), worker_id="contract")
+
+
+def engine_process_backend(tmp_path):
+    """The same engine in an engine process of its own (workers/cupy/engine_process.py; the GPU default)."""
+    return engine_backend(tmp_path, "on")
 
 
 def llama_server_backend(tmp_path):
@@ -32,7 +38,8 @@ def llama_server_backend(tmp_path):
     return make_backend(tmp_path)
 
 
-FACTORIES = {"cupy": engine_backend, "llama-server": llama_server_backend}
+FACTORIES = {"cupy": engine_backend, "cupy-engine-process": engine_process_backend,
+             "llama-server": llama_server_backend}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(FACTORIES))

@@ -17,13 +17,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def backend():
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["off", "on"], ids=["in-process", "engine-process"])
+async def backend(request):
+    """The engine's step thread in the worker's process, and in an engine process of its own
+    (workers/cupy/engine_process.py, the default on a GPU): every test here runs against both."""
     events = []
-    config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4}}})
+    config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4,
+                                                                "process": request.param}}})
     b = EngineBackend(config, builtin_profiles()["cpu"], load_model_info(None), block_sink=events.append)
     b.events = events
     await b.start()
+    assert b.in_engine_process == (request.param == "on")
     yield b
     await b.close()
     await b.close()  # twice is safe

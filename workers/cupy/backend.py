@@ -1,31 +1,31 @@
 """EngineBackend: the worker's Backend on Pulse's own engine (NumPy on a CPU box, CuPy on a GPU).
 
-The engine steps in one dedicated thread (NumPy and CuPy release the GIL in their heavy calls, so the
-asyncio loop stays responsive). Requests and cancellations reach it through a queue it drains between
-steps; its outputs come back to the event loop in one call_soon_threadsafe per hand-over, which gives each
-to its request's inbox. Detokenizing and stop strings happen on the asyncio side, per request, so the step
-loop only deals in token ids.
+The engine steps in one dedicated thread (workers/cupy/engine_loop.py; NumPy and CuPy release the GIL in their
+heavy calls, so the asyncio loop stays responsive). Requests and cancellations reach it through a queue it drains
+between steps; its outputs come back to the event loop in one call per hand-over, which gives each to its
+request's inbox. Detokenizing and stop strings happen on the asyncio side, per request, so the step loop only
+deals in token ids.
 
-Under load the step thread holds outputs back for a few steps and hands them over together (see
-HANDOVER_S_PER_STREAM): every hand-over wakes each running request's task and costs one write on its stream,
-all under the GIL that the step thread needs between device steps, so at 64 streams handing over every step
-left the engine waiting for the event loop. A request's first token is handed over at once.
+Where the step thread runs: in this process, or (`workers.engine.process`; by default wherever the engine is on
+a GPU) in an engine process of its own (workers/cupy/engine_process.py), so that the step thread and this event
+loop do not take turns on one GIL. Everything above the step thread is the same in both.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 
-from workers.cupy.device import array_module, device_name
+from workers.cupy.device import array_module, cuda_available, device_name
 from workers.cupy.drafter import prediction_usage
 from workers.cupy.engine import Engine, StepOutput, create_engine
+from workers.cupy.engine_loop import HANDOVER_S_PER_STREAM, STOP, EngineLoop, engine_snapshot, handover_due
 from workers.cupy.weights import load_weights
 from workers.protocol import Backend, BackendError, BackendStats, BlockSink, Chunk, GenerateRequest, Usage
 from workers.protocol.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
@@ -33,106 +33,207 @@ from workers.protocol.model import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
-# How long the step thread may hold step outputs before handing them to the event loop, per stream that has
-# output in the step: up to 32 streams hand over every step of 1.6 ms or more, 64 streams every second 1.9 ms
-# step (3.2 ms), 256 every seventh (12.8 ms). A stream's wake-up, chunk and write cost the event loop ~15 us
-# of GIL time on a 2-core Xeon (bench/worker_path.py), so hand-overs take at most about a third of the GIL
-# whatever the batch.
-HANDOVER_S_PER_STREAM = 50e-6
+__all__ = ["EngineBackend", "HANDOVER_S_PER_STREAM", "build_engine", "handover_due"]
 
 
-def handover_due(held_s: float, streams: int, first_token: bool) -> bool:
-    """Whether the step thread hands its held outputs over now: at once for a request's first token (time
-    to first token is not traded), else once they have been held (`held_s`: since the last hand-over)
-    HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once)."""
-    return first_token or held_s >= HANDOVER_S_PER_STREAM * streams
+def build_engine(config, profile, info, block_sink: BlockSink | None = None):
+    """The worker's engine from its config, device profile and model: NumPy or CuPy (or pipeline stages), with
+    grammar support and the profile's speculation. Module-level so an engine process can call it by name."""
+    cfg = config.workers.engine
+    xp = array_module(cfg.device)
+    sizes = engine_sizes(config, profile, info)
+    weights = load_weights(info.path, cfg.cache_dir)
+    log.info("engine on %s: %s", device_name(xp), sizes)
+    if cfg.pipeline_stages > 1 or cfg.stages:  # layers in stage actors
+        from workers.pipeline.build import build_for_backend
+
+        if xp is np:
+            _limit_blas_threads(cfg.cpu_threads)
+        engine = build_for_backend(info, weights, cfg, xp, sizes, block_sink, config.server.ray_address is not None)
+    elif xp is np:
+        _limit_blas_threads(cfg.cpu_threads)
+        engine = create_engine(info, weights, xp, block_sink=block_sink, **sizes)
+    else:  # the GPU engine: fused kernels, cuBLAS in graphs, decode as CUDA graphs (workers/cupy/gpu)
+        from workers.cupy.gpu import create_gpu_engine
+
+        engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes)
+    engine.device_name = device_name(xp)
+    engine.constraints = _constraints(load_tokenizer(info.path), info, xp)
+    if cfg.speculation:
+        from workers.cupy.speculative import Speculator
+
+        engine.speculator = Speculator(profile, gate=profile.speculation_gate)
+    return engine
+
+
+def engine_sizes(config, profile, info) -> dict:
+    """Sizes from the engine config first and the device profile second."""
+    cfg = config.workers.engine
+    return {
+        "block_size": cfg.block_size,
+        "num_blocks": cfg.kv_blocks or math.ceil(profile.kv_cache_tokens / cfg.block_size),
+        "max_num_seqs": cfg.max_num_seqs or profile.max_num_seqs,
+        "max_step_tokens": cfg.max_prefill_tokens,
+        "context_length": _context_length(config, profile, info),
+        "window_pool": cfg.window_pool,
+    }
+
+
+def _context_length(config, profile, info) -> int:
+    return min(x for x in (info.context_length, profile.context_length, config.model.context_length) if x)
+
+
+def engine_in_process_of_its_own(cfg) -> bool:
+    """`workers.engine.process`: true/false as set; auto: where the engine is on a GPU (a CPU engine computes
+    with the GIL released nearly all the time, and a second process would only add its start-up) and not split
+    into pipeline stages (their actors are started and recovered from the worker's Ray context)."""
+    if cfg.pipeline_stages > 1 or cfg.stages:
+        return False
+    if cfg.process != "auto":
+        return cfg.process == "on"
+    return cfg.device == "cuda" or (cfg.device == "auto" and cuda_available())
 
 
 class EngineBackend(Backend):
     name = "cupy"
+    # what builds the engine, by name, and its arguments before block_sink (an engine process calls it)
+    engine_builder = "workers.cupy.backend:build_engine"
 
     def __init__(self, config, profile, model, block_sink: BlockSink | None = None, worker_id: str = "w0"):
         self._config, self._profile, self._info = config, profile, model
         self._engine_cfg = config.workers.engine
         self._block_sink, self.worker_id = block_sink, worker_id
-        self._engine: Engine | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine: Engine | None = None  # in this process; None with an engine process
+        self._core: EngineLoop | None = None
+        self._proc = None  # workers.cupy.engine_process.EngineProcess
+        self._inbox = None  # where adds and aborts go: the step thread's queue, or the engine process
+        self._snapshot: dict = {}  # the engine process's last stats
+        self._grammars: dict[int, asyncio.Future] = {}
+        self._grammar_ids = itertools.count()
+        self._restarting: asyncio.Future | None = None
+        self._tokenizer = None
         self._streams: dict[str, _Inbox] = {}
-        self._outbox: list[StepOutput] = []  # step outputs the step thread has not handed over yet
-        self._fresh: set[str] = set()  # requests added with no output handed over yet (step thread's)
-        self._handed_at = 0.0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._healthy = False
         self.device = "cpu"
 
-    # --- sizes, from the engine config first and the device profile second -------------------------
     @property
     def context_length(self) -> int:
-        limits = [self._info.context_length, self._profile.context_length, self._config.model.context_length]
-        return min(x for x in limits if x)
+        return _context_length(self._config, self._profile, self._info)
 
     @property
     def block_size(self) -> int:
         return self._engine_cfg.block_size
 
-    def _sizes(self) -> dict:
-        cfg = self._engine_cfg
-        return {
-            "block_size": cfg.block_size,
-            "num_blocks": cfg.kv_blocks or math.ceil(self._profile.kv_cache_tokens / cfg.block_size),
-            "max_num_seqs": cfg.max_num_seqs or self._profile.max_num_seqs,
-            "max_step_tokens": cfg.max_prefill_tokens,
-            "context_length": self.context_length,
-            "window_pool": cfg.window_pool,
-        }
+    @property
+    def in_engine_process(self) -> bool:
+        return self._proc is not None
+
+    def engine_builder_args(self) -> tuple:
+        return (self._config, self._profile, self._info)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._engine is not None:
+        if self._engine is not None or self._proc is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._engine, self._tokenizer = await asyncio.to_thread(self._build)
+        if engine_in_process_of_its_own(self._engine_cfg):
+            await self._start_process()
+        else:
+            self._engine, self._tokenizer = await asyncio.to_thread(self._build)
+            self.device = getattr(self._engine, "device_name", self.device)
+            self._core = EngineLoop(self._engine, emit=self._emit, emit_one=self._emit_one,
+                                    on_health=self._set_health)
+            self._inbox = self._core.inbox
+            self._thread = threading.Thread(target=self._core.run, name=f"engine-{self.worker_id}", daemon=True)
+            self._thread.start()
         self._texts = TokenTexts(self._tokenizer)
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
-        self._thread.start()
         self._healthy = True
 
     def _build(self):
-        xp = array_module(self._engine_cfg.device)
-        self.device = device_name(xp)
-        weights = load_weights(self._info.path, self._engine_cfg.cache_dir)
-        sizes = self._sizes()
-        log.info("engine on %s: %s", self.device, sizes)
-        if self._engine_cfg.pipeline_stages > 1 or self._engine_cfg.stages:  # layers in stage actors
-            from workers.pipeline.build import build_for_backend
+        builder = _builder(self.engine_builder)
+        return builder(*self.engine_builder_args(), block_sink=self._block_sink), load_tokenizer(self._info.path)
 
-            if xp is np:
-                _limit_blas_threads(self._engine_cfg.cpu_threads)
-            engine = build_for_backend(self._info, weights, self._engine_cfg, xp, sizes, self._block_sink,
-                                       self._config.server.ray_address is not None)
-        elif xp is np:
-            _limit_blas_threads(self._engine_cfg.cpu_threads)
-            engine = create_engine(self._info, weights, xp, block_sink=self._block_sink, **sizes)
-        else:  # the GPU engine: fused kernels, cuBLAS in graphs, decode as CUDA graphs (workers/cupy/gpu)
-            from workers.cupy.gpu import create_gpu_engine
+    async def _start_process(self) -> None:
+        from workers.cupy.engine_process import EngineProcess
 
-            engine = create_gpu_engine(self._info, weights, block_sink=self._block_sink, **sizes)
-        tokenizer = load_tokenizer(self._info.path)
-        engine.constraints = _constraints(tokenizer, self._info, xp)
-        if self._engine_cfg.speculation:
-            from workers.cupy.speculative import Speculator
+        spec = {"builder": self.engine_builder, "args": self.engine_builder_args()}
+        proc = EngineProcess(spec, on_message=self._on_engine_message, on_lost=self._on_engine_lost)
+        self.device = await asyncio.to_thread(proc.start)
+        self._proc = proc
+        if self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self._info.path)
+        self._inbox = _ProcessInbox(proc)
+        log.info("engine process %d on %s", proc.proc.pid, self.device)
 
-            engine.speculator = Speculator(self._profile, gate=self._profile.speculation_gate)
-        return engine, tokenizer
+    # the step thread's hand-overs, in this process
+    def _emit(self, outputs: list) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _emit_one(self, request_id: str, item) -> None:
+        self._loop.call_soon_threadsafe(self._deliver_one, request_id, item)
+
+    def _set_health(self, healthy: bool) -> None:
+        self._healthy = healthy
+
+    # the engine process's messages, on its reader thread
+    def _on_engine_message(self, msg) -> None:
+        kind = msg[0]
+        if kind == "out":
+            self._loop.call_soon_threadsafe(self._deliver, msg[1])
+        elif kind == "stats":
+            self._snapshot = msg[1]
+        elif kind == "one":
+            self._loop.call_soon_threadsafe(self._deliver_one, msg[1], msg[2])
+        elif kind == "block":
+            if self._block_sink is not None:
+                self._block_sink(msg[1])
+        elif kind == "grammar":
+            self._loop.call_soon_threadsafe(self._grammar_done, *msg[1:])
+        elif kind == "health":
+            self._healthy = msg[1]
+
+    def _on_engine_lost(self, message: str) -> None:
+        log.error("worker %s: %s; starting another", self.worker_id, message)
+        self._healthy = False
+        self._loop.call_soon_threadsafe(self._engine_lost, message)
+
+    def _engine_lost(self, message: str) -> None:
+        """Its streams end with an error (the gateway moves them to another worker where it can); a new engine
+        process starts, and the worker is healthy again once its engine is built."""
+        self._snapshot = {}
+        self._fail_streams(message)
+        if self._proc is not None and (self._restarting is None or self._restarting.done()):
+            self._restarting = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        await asyncio.to_thread(self._proc.kill)
+        try:
+            await self._start_process()
+        except Exception:
+            log.exception("worker %s: the engine process could not be restarted", self.worker_id)
+            return  # stays unhealthy: the gateway routes elsewhere
+        self._healthy = True
+
+    def _fail_streams(self, message: str) -> None:
+        for inbox in list(self._streams.values()):
+            inbox.put(RuntimeError(message))
+        for future in self._grammars.values():
+            if not future.done():
+                future.set_exception(BackendError(message, 503))
 
     async def close(self) -> None:
-        thread, self._thread = self._thread, None
         self._healthy = False
+        if self._restarting is not None:
+            self._restarting.cancel()
+        thread, self._thread = self._thread, None
         if thread is not None:
-            self._inbox.put((_STOP, None))
+            self._inbox.put((STOP, None))
             await asyncio.to_thread(thread.join)
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await asyncio.to_thread(proc.close)
         if getattr(self._engine, "pipeline_actors", None):
             from workers.pipeline.build import close_pipeline
 
@@ -142,133 +243,53 @@ class EngineBackend(Backend):
         self._engine = None
 
     async def health(self) -> bool:
+        if self._proc is not None:
+            return self._healthy and self._proc.proc.poll() is None
         return self._healthy and self._thread is not None and self._thread.is_alive()
 
     async def cancel(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def snapshot(self) -> dict | None:
+        """The engine's stats fields: read now in this process, the last report from an engine process."""
+        if self._proc is not None:
+            return self._snapshot
+        return None if self._engine is None else engine_snapshot(self._engine)
+
     def stats(self) -> BackendStats:
-        eng = self._engine
-        if eng is None:
+        snap = self.snapshot()
+        if not snap:
             return BackendStats(healthy=False, block_size=self.block_size)
-        gen, prefill = eng.rates()
-        spec = eng.speculator
-        pipe = self.pipeline_stats()
-        return BackendStats(
-            **({} if pipe is None else {
-                "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],
-                "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"],
-                "pipeline_rebuilds": pipe["rebuilds"]}),
-            **({} if spec is None else {
-                "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
-                "drafted_by_position": list(spec.drafted_by_position),
-                "accepted_by_position": list(spec.accepted_by_position),
-                "speculation_gate": ({} if spec.gate is None
-                                     else {str(c): v for c, v in spec.gate.snapshot().items()})}),
-            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
-            slots=eng.scheduler.max_num_seqs, kv_blocks_total=eng.blocks.num_blocks,
-            kv_blocks_used=eng.blocks.pressure_used, block_size=eng.blocks.block_size, tokens_per_s=gen,
-            prefill_tokens_per_s=prefill, preemptions=eng.scheduler.preemptions, healthy=self._healthy,
-        )
+        return BackendStats(**snap, healthy=self._healthy)
 
     def pipeline_stats(self) -> dict | None:
         """The pipeline's transport, bytes and transfer time per token (workers/pipeline); None without one."""
         stats = getattr(getattr(self._engine, "model", None), "stats", None)
         return stats.as_dict() if hasattr(stats, "as_dict") else None
 
-    # --- the engine thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self._engine
-        while True:
-            idle = not eng.has_work()
-            if idle:
-                self._hand_over()
-            if not self._drain_inbox(block=idle):
-                self._hand_over()
-                return
-            if not eng.has_work():
-                continue
-            try:
-                outputs = eng.step()
-            except Exception as exc:  # a failed step fails its requests, not the worker process
-                log.exception("engine step failed")
-                recovery = getattr(eng, "pipeline_recovery", None)  # a pipeline stage died: rebuild it
-                if recovery is not None and recovery.handles(exc):
-                    self._recover(eng, recovery, exc)
-                else:
-                    self._fail_all(eng, f"engine step failed: {exc}")
-                continue
-            if outputs or self._outbox:  # a step with no outputs (a prefill-only step) hands over what is held
-                self._keep(outputs)
-
-    def _keep(self, outputs: list[StepOutput]) -> None:
-        """Add a step's outputs to the outbox; hand it over when handover_due says so."""
-        self._outbox += outputs
-        first = False
-        if self._fresh:
-            for out in outputs:
-                if out.request_id in self._fresh:
-                    self._fresh.discard(out.request_id)
-                    first = True
-        if handover_due(time.monotonic() - self._handed_at, len(outputs), first):
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        if self._outbox:
-            outputs, self._outbox = self._outbox, []
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-        self._handed_at = time.monotonic()
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; False when asked to stop."""
+    async def prepare_grammar(self, schema_text: str) -> None:
+        """Compile (or find cached) a grammar before its request reaches the step thread, off that thread."""
+        if self._proc is None:
+            return await _prepare_grammar(self._engine, schema_text)
+        token = next(self._grammar_ids)
+        future = self._grammars[token] = self._loop.create_future()
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            kind, arg = item
-            if kind is _STOP:
-                return False
-            if kind == "add":
-                try:
-                    self._engine.add(arg)
-                    self._fresh.add(arg.request_id)
-                except ValueError as exc:
-                    self._post(arg.request_id, BackendError(str(exc), 400, "invalid_request_error"))
-            elif kind == "abort":
-                self._fresh.discard(arg)
-                out = self._engine.abort(arg)
-                if out is not None:
-                    self._post(arg, out)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+            self._inbox.put(("grammar", token, schema_text))
+            await future
+        finally:
+            self._grammars.pop(token, None)
 
-    def _recover(self, eng: Engine, recovery, exc: Exception) -> None:
-        """workers/pipeline/recovery.py: unhealthy (new requests go elsewhere) until the stage is back."""
-        self._healthy = False
-        try:
-            failed = recovery.run(exc)
-        except Exception as again:
-            log.exception("the pipeline could not be rebuilt")
-            self._fail_all(eng, f"a pipeline stage was lost and could not be rebuilt: {again}")
-            return  # stays unhealthy: the worker needs replacing
-        for rid, err in failed.items():
-            self._post(rid, err)
-        self._healthy = True
-
-    def _fail_all(self, eng: Engine, message: str) -> None:
-        for rid in list(eng.seqs):
-            eng.abort(rid, "error")
-            self._post(rid, RuntimeError(message))
-
-    def _post(self, request_id: str, item) -> None:
-        """One item (an abort's output, an error) for one request, from the engine thread, after the outputs
-        held back (in order: a request's tokens before its end)."""
-        self._fresh.discard(request_id)
-        self._hand_over()
-        self._loop.call_soon_threadsafe(self._deliver_one, request_id, item)
+    def _grammar_done(self, token: int, kind: str | None, message: str) -> None:
+        future = self._grammars.get(token)
+        if future is None or future.done():
+            return
+        if kind is None:
+            future.set_result(None)
+        elif kind == "grammar":
+            future.set_exception(BackendError(f"the grammar cannot be compiled: {message}", 400,
+                                              "invalid_request_error"))
+        else:
+            future.set_exception(BackendError(message, 503))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, on the event loop: each to its request's inbox (none: the request has ended)."""
@@ -285,7 +306,7 @@ class EngineBackend(Backend):
 
     # --- one request -------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        if self._engine is None or not self._healthy:
+        if self._inbox is None or not self._healthy:
             raise BackendError("the engine is not running", 503)
         if request.max_tokens < 1:
             raise BackendError("max_tokens must be at least 1", 400, "invalid_request_error")
@@ -293,7 +314,7 @@ class EngineBackend(Backend):
             raise BackendError(f"request id {request.request_id!r} is already running", 400,
                                "invalid_request_error")
         if request.grammar is not None:  # compile off the engine thread (cached per schema) so steps never wait
-            await _prepare_grammar(self._engine, request.grammar)
+            await self.prepare_grammar(request.grammar)
         stream = _ChunkStream(request, _Inbox(self._loop), self._tokenizer, self._texts, self._inbox)
         if stream.stop.stopped:  # the resumed tokens already end in a stop string: nothing left to generate
             yield stream.stopped_on_resume()
@@ -437,6 +458,27 @@ async def _prepare_grammar(engine: Engine, schema_text: str) -> None:
         raise BackendError(f"the grammar cannot be compiled: {exc}", 400, "invalid_request_error") from None
     except RuntimeError as exc:
         raise BackendError(str(exc), 503) from None
+
+
+def _builder(path: str):
+    from workers.cupy.engine_process import builder
+
+    return builder(path)
+
+
+class _ProcessInbox:
+    """Adds and aborts to the engine process, as the step thread's queue takes them in one process."""
+
+    __slots__ = ("proc",)
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def put(self, item) -> None:
+        try:
+            self.proc.send(item)
+        except (OSError, ValueError):  # the engine process is gone: its reader fails the streams
+            pass
 
 
 def _limit_blas_threads(threads: int | None) -> None:

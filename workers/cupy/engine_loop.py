@@ -1,0 +1,170 @@
+"""The engine's step thread: requests and aborts in through a queue, step outputs out through `emit`.
+
+EngineBackend runs one in the worker process (outputs handed to its event loop) or, with
+`workers.engine.process`, in an engine process of its own (workers/cupy/engine_process.py: outputs sent over a
+socket to the worker process, whose event loop then serves the streams). The loop itself is the same either way.
+
+Under load the step thread holds outputs back for a few steps and hands them over together (see
+HANDOVER_S_PER_STREAM): every hand-over wakes each running request's task and costs one write on its stream, all
+under the GIL that the step thread needs between device steps (in one process), so at 64 streams handing over
+every step left the engine waiting for the event loop. A request's first token is handed over at once.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+
+from workers.protocol import BackendError
+
+log = logging.getLogger(__name__)
+
+STOP = object()
+# How long the step thread may hold step outputs before handing them to the event loop, per stream that has
+# output in the step: up to 32 streams hand over every step of 1.6 ms or more, 64 streams every second 1.9 ms
+# step (3.2 ms), 256 every seventh (12.8 ms). A stream's wake-up, chunk and write cost the event loop ~15 us
+# of GIL time on a 2-core Xeon (bench/worker_path.py), so hand-overs take at most about a third of the GIL
+# whatever the batch.
+HANDOVER_S_PER_STREAM = 50e-6
+
+
+def handover_due(held_s: float, streams: int, first_token: bool) -> bool:
+    """Whether the step thread hands its held outputs over now: at once for a request's first token (time
+    to first token is not traded), else once they have been held (`held_s`: since the last hand-over)
+    HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once)."""
+    return first_token or held_s >= HANDOVER_S_PER_STREAM * streams
+
+
+class EngineLoop:
+    """Steps `engine` while it has work. `emit(outputs)` takes a hand-over of step outputs; `emit_one(request_id,
+    item)` one item (an abort's output, an error) for one request, always after the outputs held before it.
+    Both are called from the step thread. `inbox` takes ("add", GenerateRequest), ("abort", request_id) and
+    (STOP, None)."""
+
+    def __init__(self, engine, emit: Callable[[list], None], emit_one: Callable[[str, object], None],
+                 on_health: Callable[[bool], None] = lambda healthy: None):
+        self.engine, self.emit, self.emit_one, self.on_health = engine, emit, emit_one, on_health
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list = []  # step outputs not handed over yet
+        self._fresh: set[str] = set()  # requests added with no output handed over yet
+        self._handed_at = 0.0
+
+    def run(self) -> None:
+        eng = self.engine
+        while True:
+            idle = not eng.has_work()
+            if idle:
+                self._hand_over()
+            if not self._drain_inbox(block=idle):
+                self._hand_over()
+                return
+            if not eng.has_work():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as exc:  # a failed step fails its requests, not the worker process
+                log.exception("engine step failed")
+                recovery = getattr(eng, "pipeline_recovery", None)  # a pipeline stage died: rebuild it
+                if recovery is not None and recovery.handles(exc):
+                    self._recover(eng, recovery, exc)
+                else:
+                    self._fail_all(eng, f"engine step failed: {exc}")
+                continue
+            if outputs or self._outbox:  # a step with no outputs (a prefill-only step) hands over what is held
+                self._keep(outputs)
+
+    def _keep(self, outputs: list) -> None:
+        """Add a step's outputs to the outbox; hand it over when handover_due says so."""
+        self._outbox += outputs
+        first = False
+        if self._fresh:
+            for out in outputs:
+                if out.request_id in self._fresh:
+                    self._fresh.discard(out.request_id)
+                    first = True
+        if handover_due(time.monotonic() - self._handed_at, len(outputs), first):
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._outbox:
+            outputs, self._outbox = self._outbox, []
+            self.emit(outputs)
+        self._handed_at = time.monotonic()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        try:
+            item = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = item
+            if kind is STOP:
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add(arg)
+                    self._fresh.add(arg.request_id)
+                except ValueError as exc:
+                    self._post(arg.request_id, BackendError(str(exc), 400, "invalid_request_error"))
+            elif kind == "abort":
+                self._fresh.discard(arg)
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._post(arg, out)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _recover(self, eng, recovery, exc: Exception) -> None:
+        """workers/pipeline/recovery.py: unhealthy (new requests go elsewhere) until the stage is back."""
+        self.on_health(False)
+        try:
+            failed = recovery.run(exc)
+        except Exception as again:
+            log.exception("the pipeline could not be rebuilt")
+            self._fail_all(eng, f"a pipeline stage was lost and could not be rebuilt: {again}")
+            return  # stays unhealthy: the worker needs replacing
+        for rid, err in failed.items():
+            self._post(rid, err)
+        self.on_health(True)
+
+    def _fail_all(self, eng, message: str) -> None:
+        for rid in list(eng.seqs):
+            eng.abort(rid, "error")
+            self._post(rid, RuntimeError(message))
+
+    def _post(self, request_id: str, item) -> None:
+        """One item for one request after the outputs held back (in order: a request's tokens before its end)."""
+        self._fresh.discard(request_id)
+        self._hand_over()
+        self.emit_one(request_id, item)
+
+
+def engine_snapshot(eng) -> dict:
+    """The engine's side of BackendStats (fields by name), read from any thread."""
+    custom = getattr(eng, "stats_snapshot", None)
+    if custom is not None:  # an engine stand-in (bench/worker_path.py) says what it has
+        return custom()
+    gen, prefill = eng.rates()
+    spec = eng.speculator
+    stats = getattr(getattr(eng, "model", None), "stats", None)
+    pipe = stats.as_dict() if hasattr(stats, "as_dict") else None
+    return {
+        **({} if pipe is None else {
+            "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],
+            "pipeline_transfer_bytes": pipe["bytes"], "pipeline_tokens": pipe["tokens"],
+            "pipeline_rebuilds": pipe["rebuilds"]}),
+        **({} if spec is None else {
+            "speculation_k": spec.last_k, "steps_by_k": list(spec.steps_by_k),
+            "drafted_by_position": list(spec.drafted_by_position),
+            "accepted_by_position": list(spec.accepted_by_position),
+            "speculation_gate": ({} if spec.gate is None
+                                 else {str(c): v for c, v in spec.gate.snapshot().items()})}),
+        "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+        "slots": eng.scheduler.max_num_seqs, "kv_blocks_total": eng.blocks.num_blocks,
+        "kv_blocks_used": eng.blocks.pressure_used, "block_size": eng.blocks.block_size, "tokens_per_s": gen,
+        "prefill_tokens_per_s": prefill, "preemptions": eng.scheduler.preemptions,
+    }
