@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the served path spends its CPU on the H200 (issue 25): py-spy samples the worker actor and the gateway
+# Where the served path spends its CPU on the H200 (issue 25): py-spy samples the worker actor, its engine process and the gateway
 # replicas while bench/served.py holds C clients on `pulse serve --backend cupy` (h200 profile, greedy story
 # prompts, 128 tokens, PER_CLIENT requests per client). Staged as for bench/gpu_served.sh, plus py-spy (a static
 # binary) at $PULSE_DEVICE_HOME/py-spy. One call:
@@ -26,7 +26,7 @@ for clients in ${CLIENTS:-256}; do
       ls "$out"/served-logs-*/records.jsonl >/dev/null 2>&1 && break
       sleep 1
     done
-    pids="$(pgrep -f 'ray::WorkerActor') $(pgrep -f 'ServeReplica')"
+    pids="$(pgrep -f 'ray::WorkerActor') $(pgrep -f 'workers.cupy.engine_process') $(pgrep -f 'ServeReplica')"
     for pid in $pids; do
       echo "$pid $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)" >> "$out/pids.txt"
       echo "start $(ticks "$pid") $(date +%s.%N)" > "$out/cpu-$pid.txt"

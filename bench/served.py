@@ -6,7 +6,9 @@ streaming, at the settings users send.
 
 Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile's speculation, each sequence's
 depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation),
-`llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
+`pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
+`workers.engine.process: off`, the placement before the engine process), `llama` (llama-server started directly
+with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
 Sampling: `greedy` (temperature 0) and `t1` (temperature 1, no top_k / top_p: OpenAI's default).
@@ -110,16 +112,18 @@ def counter():
         i += 1
 
 
-def pulse_config(args, port: int, log_dir: Path) -> Path:
+def pulse_config(args, port: int, log_dir: Path, process: str = "auto") -> Path:
+    """`process`: workers.engine.process (auto: the engine in a process of its own on a GPU; "off" for the
+    pulse-inproc target, the engine's step thread in the worker's process as before that split)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
            "workers": {"backend": "cupy", "count": 1,
-                       "engine": {"device": args.device, "max_num_seqs": max(args.clients)}},
+                       "engine": {"device": args.device, "max_num_seqs": max(args.clients), "process": process}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
     if args.profile:
         cfg["workers"]["device_profile"] = args.profile
     if args.model:
         cfg["model"] = {"path": args.model}
-    path = log_dir / "pulse.yaml"
+    path = log_dir / f"pulse-{process}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
 
@@ -144,16 +148,20 @@ def first_model(base: str) -> str:
 def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     """{target: (base URL, model id)}; servers started and healthy."""
     bases = {}
-    if any(t.startswith("pulse") for t in args.targets):
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process
+    for process, targets in ((args.engine_process, [t for t in args.targets if t in ("pulse", "pulse-k0")]),
+                             ("off", [t for t in args.targets if t == "pulse-inproc"])):
+        if not targets:
+            continue
         port = free_port()
-        proc = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir))),
-                    log_dir, env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
+        proc = Proc(f"pulse-{process}", python_module(
+            "pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir, process))), log_dir, env=env)
         procs.append(proc)
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
         base = f"http://127.0.0.1:{port}"
-        for t in args.targets:
-            if t.startswith("pulse"):
-                bases[t] = (base, first_model(base))
+        for t in targets:
+            bases[t] = (base, first_model(base))
     if "llama" in args.targets:
         port = free_port()
         proc = Proc("llama-server", llama_argv(args, port), log_dir)
@@ -203,7 +211,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "llama"])
+                    choices=["pulse", "pulse-k0", "pulse-inproc", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -212,6 +220,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request")
     ap.add_argument("--device", default="auto", help="the Pulse engine's device")
+    ap.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
+                    help="workers.engine.process for the pulse and pulse-k0 targets (auto: on with a GPU engine)")
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(
@@ -267,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "llama", "engine"):
+            for other in ("pulse-k0", "pulse-inproc", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,

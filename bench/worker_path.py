@@ -93,6 +93,10 @@ class PacedEngine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def stats_snapshot(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.batch,
+                "steps": self.steps, "late_s": self.late_s}
+
     def step(self) -> list:
         while self.waiting and len(self.running) < self.batch:
             self.running.append(self.waiting.popleft())
@@ -130,37 +134,45 @@ def _logprob(token: int, top: int):
     return TokenLogprob(token_id=token, logprob=-0.25, top=[(token + i, -0.25 - i) for i in range(top)])
 
 
-def paced_backend(step_s: float, batch: int, python_s: float = 0.0):
-    """The real EngineBackend, its engine built as a PacedEngine (and the bundled model's real tokenizer)."""
+def build_paced(step_s: float, batch: int, python_s: float = 0.0, block_sink=None) -> PacedEngine:
+    """The stand-in engine (EngineBackend's engine builder: by name, so an engine process can call it too)."""
+    from workers.protocol.model import load_tokenizer
+
+    ids = load_tokenizer(None).encode(TEXT, add_special_tokens=False).ids
+    return PacedEngine(step_s, batch, ids, python_s)
+
+
+def paced_backend(step_s: float, batch: int, python_s: float = 0.0, process: str = "off"):
+    """The real EngineBackend, its engine built as a PacedEngine (and the bundled model's real tokenizer); with
+    `process` "on", in an engine process of its own (workers/cupy/engine_process.py) as a GPU worker runs it."""
     from policy.config import PulseConfig
     from policy.profiles import builtin_profiles
     from workers.cupy.backend import EngineBackend
     from workers.protocol import BackendStats
-    from workers.protocol.model import load_model_info, load_tokenizer
+    from workers.protocol.model import load_model_info
 
     class PacedStats(BackendStats):
         steps: int = 0
         late_s: float = 0.0
 
     class PacedBackend(EngineBackend):
-        def _build(self):
-            tokenizer = load_tokenizer(self._info.path)
-            ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-            return PacedEngine(step_s, batch, ids, python_s), tokenizer
+        engine_builder = "bench.worker_path:build_paced"
+
+        def engine_builder_args(self) -> tuple:
+            return (step_s, batch, python_s)
 
         def stats(self) -> BackendStats:
-            eng = self._engine
-            return PacedStats(running=len(eng.running), waiting=len(eng.waiting), slots=batch, steps=eng.steps,
-                              late_s=eng.late_s)
+            snap = self.snapshot()
+            return PacedStats(**snap) if snap else BackendStats(healthy=False)
 
-    config = PulseConfig.model_validate({"workers": {"engine": {"max_num_seqs": batch}}})
+    config = PulseConfig.model_validate({"workers": {"engine": {"max_num_seqs": batch, "process": process}}})
     return PacedBackend(config, builtin_profiles()["cpu"], load_model_info(None))
 
 
 async def serve(args) -> None:
     from workers.stream import StreamServer
 
-    backend = paced_backend(args.step_ms / 1000, args.batch, args.engine_python_ms / 1000)
+    backend = paced_backend(args.step_ms / 1000, args.batch, args.engine_python_ms / 1000, args.process)
     await backend.start()
     server = StreamServer(backend, port=args.port, secret=args.secret, worker_id="w0")
     await server.start()
@@ -290,11 +302,11 @@ def measure(proc: Proc, url: str, headers: dict, prompt_ids: list[int], clients:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| clients | delivered tok/s | ideal tok/s | delivered / ideal | steps/s (ideal) | step late ms | worker CPU cores | "
+    head = ("| engine process | clients | delivered tok/s | ideal tok/s | delivered / ideal | steps/s (ideal) | step late ms | worker CPU cores | "
             "worker CPU µs/token | share of step budget | tokens/chunk | TTFT p50 / p99 ms | errors |")
     out = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        out.append(f"| {r['clients']} | {r['tok_s']:,.0f} | {r['ideal_tok_s']:,.0f} | "
+        out.append(f"| {r['engine']} | {r['clients']} | {r['tok_s']:,.0f} | {r['ideal_tok_s']:,.0f} | "
                    f"{r['tok_s'] / r['ideal_tok_s']:.2f} | {r['steps_s']:.0f} ({r['ideal_steps_s']:.0f}) | "
                    f"{_f(r['late_ms_per_step'], '.2f')} | "
                    f"{r['worker_cpu_cores']:.2f} | {_f(r['cpu_us_per_token'], '.1f')} | {_f(r['step_share'], '.2f')} | "
@@ -327,25 +339,27 @@ def run(args) -> dict:
     info = machine_info()
     print(describe(info), file=sys.stderr)
     rows = []
-    with owned_processes() as procs:
-        port = free_port()
-        proc = Proc("worker", python_module("bench.worker_path", "serve", "--port", str(port), "--secret", secret,
-                                            "--step-ms", str(args.step_ms), "--batch", str(args.batch),
-                                            "--engine-python-ms", str(args.engine_python_ms), "--loop", args.loop),
-                    log_dir)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, url, headers)
-        for c in args.clients:
-            spy = None
-            if args.py_spy == c:
-                out = log_dir / f"py-spy-{c}.json"
-                spy = py_spy(proc.popen.pid, args.duration, out, args.native)
-                print(f"py-spy profile -> {out}", file=sys.stderr)
-            rows.append(measure(proc, url, headers, prompt_ids, c, args))
-            if spy is not None:
-                spy.wait(timeout=args.duration + 30)
-            print(json.dumps(rows[-1]), file=sys.stderr)
+    # each engine placement in turn, each in a fresh worker, `--repeats` times alternated (same box, same hour)
+    for rep, mode in [(r, m) for r in range(args.repeats) for m in args.process]:
+        with owned_processes() as procs:
+            port = free_port()
+            proc = Proc(f"worker-{mode}-{rep}", python_module(
+                "bench.worker_path", "serve", "--port", str(port), "--secret", secret, "--step-ms", str(args.step_ms),
+                "--batch", str(args.batch), "--engine-python-ms", str(args.engine_python_ms), "--loop", args.loop,
+                "--process", mode), log_dir)
+            procs.append(proc)
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(proc, url, headers)
+            for c in args.clients:
+                spy = None
+                if args.py_spy == c:
+                    out = log_dir / f"py-spy-{mode}-{c}.json"
+                    spy = py_spy(proc.popen.pid, args.duration, out, args.native)
+                    print(f"py-spy profile -> {out}", file=sys.stderr)
+                rows.append({"engine": mode, "repeat": rep, **measure(proc, url, headers, prompt_ids, c, args)})
+                if spy is not None:
+                    spy.wait(timeout=args.duration + 30)
+                print(json.dumps(rows[-1]), file=sys.stderr)
     info["loadavg_end"] = list(os.getloadavg())
     print(table(rows))
     print(f"\n{describe(info)}; load {info['loadavg_end'][0]:.2f} at end; step {args.step_ms} ms, batch "
@@ -368,6 +382,10 @@ def main(argv=None) -> None:
         q.add_argument("--engine-python-ms", type=float, default=0.0,
                        help="Python the stand-in runs per step holding the GIL, after its sleep (the GPU engine's own)")
         q.add_argument("--loop", default="auto", choices=loops.CHOICES, help="auto: uvloop, as Ray runs actors")
+    w.add_argument("--process", default="off", choices=["off", "on"])
+    p.add_argument("--process", nargs="+", default=["off"], choices=["off", "on"],
+                   help="engine in the worker process (off) or in an engine process of its own (on); both: off on")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each --process placement, alternated")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--duration", type=float, default=6.0, help="measurement window, seconds")
