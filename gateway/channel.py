@@ -37,6 +37,7 @@ from workers.protocol import Chunk
 
 RCVBUF = 256 * 1024  # a worker socket's receive buffer: what piles up in the kernel for a stream stays bounded
 HIGH_WATER = 64 * 1024  # bytes of unread lines at which this end stops reading the socket
+LINGER_S = 1.0  # how long a stream closed after its final chunk waits for the chunked terminator to keep its connection
 _lines = msgspec.json.Decoder(Chunk)
 
 
@@ -78,6 +79,8 @@ class WorkerStream(asyncio.Protocol):
         self._paused = False
         self._got_bytes = False
         self._keep = True
+        self._final = False  # a chunk with a finish_reason was decoded: the generation's answer is complete
+        self._linger: asyncio.TimerHandle | None = None  # closed after its final chunk, waiting for the terminator
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -105,6 +108,11 @@ class WorkerStream(asyncio.Protocol):
             self._error = e
             if self.transport is not None:
                 self.transport.close()
+        if self._linger is not None and self._mode == "done" and self.transport is not None:
+            self._linger.cancel()
+            self._linger = None
+            self.close()  # its terminator came in after all: the connection goes back to the pool
+            return
         if self._ready_bytes >= HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -211,6 +219,8 @@ class WorkerStream(asyncio.Protocol):
         if cut:
             _decode_into(self._ready, data[:cut])
             self._ready_bytes += cut
+            if self._ready:
+                self._final = self._ready[-1].finish_reason is not None
 
     def _finish(self) -> None:
         if self._tail.strip() and self.status == 200:
@@ -268,7 +278,12 @@ class WorkerStream(asyncio.Protocol):
 
     def close(self) -> None:
         """Done with this response (call it once): a connection whose answer came to its end waits for the
-        next request to that worker; one still streaming is closed (the worker then cancels the generation)."""
+        next request to that worker; one still streaming is closed (the worker then cancels the generation).
+
+        The worker writes the chunked terminator after its final chunk, in a write of its own, so a reader
+        that stops at the final chunk often closes before the terminator is in: then the connection waits
+        up to LINGER_S for it and goes back to the pool, instead of being dropped (the next request to that
+        worker would pay a new connection at both ends)."""
         if self.transport is None:
             return
         if self._mode == "done" and self._keep and self._error is None:
@@ -276,8 +291,15 @@ class WorkerStream(asyncio.Protocol):
                 self._paused = False
                 self.transport.resume_reading()
             self.pool.release(self)
+        elif self._final and self._mode == "chunked" and self._keep and self._error is None and not self._paused:
+            self._linger = asyncio.get_running_loop().call_later(LINGER_S, self._drop)
         else:
-            self._keep = False
+            self._drop()
+
+    def _drop(self) -> None:
+        self._linger = None
+        self._keep = False
+        if self.transport is not None:
             self.transport.close()
             self.transport = None
 

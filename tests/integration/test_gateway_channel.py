@@ -11,6 +11,7 @@ import asyncio
 
 from aiohttp import web
 
+from gateway import channel
 from gateway.channel import Channels
 from policy.config import PulseConfig
 from workers.loadtest import LoadTestBackend
@@ -126,3 +127,66 @@ async def test_nothing_listening_is_a_connection_error():
             raise AssertionError("opened a stream to a closed port")
     finally:
         await channels.close()
+
+
+async def _late_terminator_server(delay_s: float) -> tuple[web.AppRunner, str]:
+    """A worker that writes its final chunk, then the chunked terminator `delay_s` later (a worker's server
+    sends it in a write of its own once the handler returns)."""
+    async def generate(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await resp.write(b'{"text": "a", "token_ids": [1]}\n{"finish_reason": "stop"}\n')
+        await asyncio.sleep(delay_s)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def _read_to_final(s) -> list[str]:
+    texts = []
+    async for batch in s.batches():
+        texts += [c.text for c in batch]
+        if batch[-1].finish_reason is not None:
+            return texts  # as the relay does: it stops at the final chunk
+    return texts
+
+
+async def test_a_stream_closed_at_its_final_chunk_keeps_its_connection_once_the_terminator_comes():
+    runner, url = await _late_terminator_server(0.1)
+    channels = Channels()
+    try:
+        first = await channels.open(url, "/generate", b"{}", "x")
+        assert await _read_to_final(first) == ["a", ""]
+        first.close()  # before the terminator: the connection waits for it
+        assert channels.idle_count() == 0 and first.transport is not None
+        await asyncio.sleep(0.3)
+        assert channels.idle_count() == 1
+        second = await channels.open(url, "/generate", b"{}", "x")
+        assert second is first  # the same connection, not a new one
+        assert await _read_to_final(second) == ["a", ""]
+        second.close()
+    finally:
+        await channels.close()
+        await runner.cleanup()
+
+
+async def test_a_terminator_that_does_not_come_within_the_linger_drops_the_connection(monkeypatch):
+    monkeypatch.setattr(channel, "LINGER_S", 0.05)
+    runner, url = await _late_terminator_server(0.5)
+    channels = Channels()
+    try:
+        s = await channels.open(url, "/generate", b"{}", "x")
+        assert await _read_to_final(s) == ["a", ""]
+        s.close()
+        await asyncio.sleep(0.15)
+        assert s.transport is None and channels.idle_count() == 0
+    finally:
+        await channels.close()
+        await runner.cleanup()
