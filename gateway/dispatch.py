@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from gateway.errors import APIError
 from gateway.pool import WorkerPool, WorkerState, iter_batches
-from gateway.router import load_of
 from policy.types import AdmissionRequest
 from workers.protocol import BackendError, Chunk, GenerateRequest
 from workers.protocol import telemetry as tm
@@ -110,8 +109,7 @@ class Dispatcher:
             chosen["result"] = result
             if result.worker is None:
                 return None, self._admission_request(gen, result.cached_tokens)
-            return load_of(result.worker), self._admission_request(gen, result.cached_tokens,
-                                                                   result.worker.info.context_length)
+            return result.load, self._admission_request(gen, result.cached_tokens, result.worker.info.context_length)
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
             decision = await self.gate.enter(route, gen.priority or 0, gen.tenant)

@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 
 from gateway.channel import Channels, WorkerStream
+from policy.types import load_fields
 from workers.protocol import (
     BackendError,
     BackendStats,
@@ -55,6 +56,7 @@ class WorkerState:
     open_until: float = 0.0  # circuit open: not routed to before this time
     last_seen: float = 0.0
     block_seq: int = 0  # last block event pulled from this worker (in-process prefix index only)
+    _load_fields: tuple = field(default=(None, {}), repr=False)  # (the stats they came from, the fields)
 
     @property
     def worker_id(self) -> str:
@@ -71,6 +73,13 @@ class WorkerState:
     def closed(self) -> None:
         """The request ended (or was refused): it stops counting at once, though the last poll saw it."""
         self.inflight -= 1
+
+    def load_fields(self) -> dict:
+        """The last stats as WorkerLoad's fields, worked out once per reading (routing asks on every request;
+        the stats change with each poll)."""
+        if self._load_fields[0] is not self.stats:
+            self._load_fields = (self.stats, load_fields(self.stats))
+        return self._load_fields[1]
 
     @property
     def auth(self) -> dict[str, str]:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cachetools
-import msgspec
 
 from cache.hashing import ROOT_HASH, chain_hashes, chain_hashes_packed, pack_tokens
 from cache.index import IndexUnavailable, PrefixIndex
@@ -42,6 +41,7 @@ class RouteResult:
     hashes: list[int] | None = None  # the prompt's full-block hashes (what the chosen worker will hold)
     lookup_s: float = 0.0  # time spent hashing the prompt and asking the index
     cpu_s: float = 0.0  # this thread's CPU time hashing, building loads and deciding (index round trip excluded)
+    load: WorkerLoad | None = None  # the chosen worker's load as the decision saw it (what admission checks)
 
 
 class PrefixRouter:
@@ -60,7 +60,7 @@ class PrefixRouter:
         self.hashes = SessionHashes(hash_cache_bytes)
 
     async def choose(self, workers: Sequence, gen) -> RouteResult:
-        """`workers`: objects with .worker_id, .info.block_size, .stats (BackendStats), .inflight, .healthy."""
+        """`workers`: the candidate WorkerStates (gateway/pool.py)."""
         t0 = time.perf_counter()
         session = session_key(gen.session_id)
         hits, index_ok, hashes, cpu_s = await self._hits(workers, gen.prompt_ids, session)
@@ -77,12 +77,13 @@ class PrefixRouter:
             seq=next(self._seq),
         )
         decision = choose_worker(loads, hits, request, self.cfg)
-        chosen = next((w for w in workers if w.worker_id == decision.worker_id), None)
+        at = next((i for i, w in enumerate(workers) if w.worker_id == decision.worker_id), None)
+        chosen, load = (None, None) if at is None else (workers[at], loads[at])
         if session and chosen is not None:
             self._remember(session, chosen.worker_id)
         cpu_s += time.thread_time() - c0
         return RouteResult(chosen, decision.reason, decision.cached_tokens, index_ok, decision, hashes, lookup_s,
-                           cpu_s)
+                           cpu_s, load)
 
     def _session_worker(self, session: str | None, hits: dict[str, int], prompt_tokens: int,
                         workers: Sequence) -> str | None:
@@ -156,17 +157,16 @@ def load_of(w, sessions: int = 0, shared_pending_prefill: int = 0) -> WorkerLoad
     last stats poll: requests in flight there (and how many of the polled ones were its own), the uncached
     prompt tokens still waiting for prefill (its own and its device neighbours'), and the live conversations
     it placed there."""
-    return WorkerLoad.from_stats(
-        w.worker_id,
-        msgspec.structs.asdict(w.stats),
-        inflight=w.inflight,
-        polled_inflight=getattr(w, "polled_own", None),
-        pending_prefill_tokens=getattr(w, "pending_prefill", 0),
-        shared_pending_prefill_tokens=shared_pending_prefill,
-        healthy=w.healthy and w.stats.healthy,
-        block_size=w.info.block_size,
-        sessions=sessions,
-    )
+    return WorkerLoad(w.worker_id, **{
+        **w.load_fields(),
+        "inflight": w.inflight,
+        "polled_inflight": w.polled_own,
+        "pending_prefill_tokens": w.pending_prefill,
+        "shared_pending_prefill_tokens": shared_pending_prefill,
+        "healthy": w.healthy and w.stats.healthy,
+        "block_size": w.info.block_size,
+        "sessions": sessions,
+    })
 
 
 class SessionHashes:

@@ -91,6 +91,11 @@ class WorkerLoad:
 _WORKER_LOAD_FIELDS = frozenset(f.name for f in fields(WorkerLoad)) - {"worker_id"}
 
 
+def load_fields(stats: Any) -> dict[str, Any]:
+    """A BackendStats (any msgspec Struct) as WorkerLoad keyword arguments: the fields both have."""
+    return {k: getattr(stats, k) for k in stats.__struct_fields__ if k in _WORKER_LOAD_FIELDS}
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     prompt_tokens: int
