@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from workers.llama_server import api
+from workers.llama_server import api, http
 from workers.llama_server.binary import find_llama_server
 from workers.llama_server.checkpointer import Checkpointer
 from workers.llama_server.checkpoints import CheckpointStore
@@ -32,7 +32,10 @@ from workers.protocol import Backend, BackendError, BackendStats, Chunk, Generat
 from workers.protocol.model import cache_root
 
 log = logging.getLogger("pulse.llama_server")
-_CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+CONNECT_TIMEOUT_S = 5.0
+# OSError: a connection to llama-server that cannot be made (workers/llama_server/http.py; ConnectionError and
+# TimeoutError are OSErrors too)
+_CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class _Flight:
@@ -80,12 +83,11 @@ class LlamaServerBackend(Backend):
                                  root=self.model.chain_root.hash)
         for lane in self.lanes:
             lane.on_crash = self._on_crash
-        # No sock_read: it would also bound the wait for response headers, which llama-server sends with
-        # the first token, after queueing and prefill; _open and _next_event bound those waits instead.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
-        # One connection per request, no keep-alive: llama-server (cpp-httplib) closes idle connections
-        # after 5 s and after 100 requests, and a POST on a connection it just closed fails with no way
-        # to retry safely; an idle kept-alive connection also holds one of its HTTP threads.
+        # Generations go over workers/llama_server/http.py, one connection per request, no keep-alive:
+        # llama-server (cpp-httplib) closes idle connections after 5 s and after 100 requests, and a POST on
+        # a connection it just closed fails with no way to retry safely; an idle kept-alive connection also
+        # holds one of its HTTP threads. This session serves /health and the checkpointer's slot actions.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False)
         if self.checkpoints is not None:
@@ -141,9 +143,7 @@ class LlamaServerBackend(Backend):
         stop_ids = set(request.stop_token_ids)
         started = failed = False
         try:
-            flight.resp = resp = await self._open(lane, request, slot)
-            if flight.cancelled:  # cancel() came while the headers were awaited
-                raise ConnectionError("cancelled")
+            resp = await self._open(lane, request, slot, flight)
             while True:
                 ev = await self._next_event(resp)
                 lane.progress_at = time.monotonic()
@@ -200,44 +200,34 @@ class LlamaServerBackend(Backend):
         except asyncio.TimeoutError:
             raise BackendError("llama-server is restarting", 503) from None
 
-    async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None) -> aiohttp.ClientResponse:
+    async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None, flight: _Flight) -> http.LlamaStream:
         """POST the request and wait for the response headers. llama-server sends them with the first
         token, after queueing and prefill (minutes for a long cold prompt on a small box), so a slow
         answer alone is not a fault: every `headers_timeout_s` without headers the process must show it
-        is alive (`_alive`), and only one that does not counts as hung (killed, then restarted)."""
+        is alive (`_alive`), and only one that does not counts as hung (killed, then restarted). The
+        stream is the flight's from the moment it connects: cancel() or a crash closes it, which ends
+        the wait at once (and makes llama-server drop the task)."""
         body = api.request_body(request, slot)
-        post = asyncio.ensure_future(self._session.post(
-            lane.process.url + "/completion", data=body, headers={"Content-Type": "application/json"}))
-        try:
-            while True:
-                done, _ = await asyncio.wait((post,), timeout=self.cfg.headers_timeout_s)
-                if done:
-                    resp = post.result()
-                    break
-                if not await self._alive(lane):
-                    raise asyncio.TimeoutError(
-                        f"no response headers within {self.cfg.headers_timeout_s:.1f} s, no tokens on any stream "
-                        f"and no answer to /health within {self.cfg.health_timeout_s:.1f} s")
-        except BaseException:
-            post.cancel()
-            raise
+        resp = flight.resp = await http.open_stream("127.0.0.1", lane.process.port, "/completion", body,
+                                                    connect_timeout_s=CONNECT_TIMEOUT_S)
+        if flight.cancelled:  # cancel() came while connecting
+            raise ConnectionError("cancelled")
+        while not await resp.head(self.cfg.headers_timeout_s):
+            if not await self._alive(lane):
+                raise asyncio.TimeoutError(
+                    f"no response headers within {self.cfg.headers_timeout_s:.1f} s, no tokens on any stream "
+                    f"and no answer to /health within {self.cfg.health_timeout_s:.1f} s")
         if resp.status != 200:
-            try:
-                raise api.error_of(resp.status, await resp.read())
-            finally:
-                resp.close()
+            raise api.error_of(resp.status, await resp.body(self.cfg.headers_timeout_s))
         return resp
 
-    async def _next_event(self, resp: aiohttp.ClientResponse) -> api.Event:
-        while True:
-            async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
-                line = await resp.content.readuntil(b"\n", max_size=1 << 26)
-            if not line:
-                raise ConnectionError("llama-server closed the stream before its final event")
-            if line.startswith(b"data: "):
-                return api.decode_event(line[6:])
-            if line.startswith(b"error: "):
-                raise ConnectionError(f"llama-server error: {line[7:].decode(errors='replace').strip()}")
+    async def _next_event(self, resp: http.LlamaStream) -> api.Event:
+        line = await resp.line(self.cfg.stream_idle_timeout_s)
+        if line.startswith(b"data: "):
+            return api.decode_event(line[6:])
+        if not line:
+            raise ConnectionError("llama-server closed the stream before its final event")
+        raise ConnectionError(f"llama-server error: {line[7:].decode(errors='replace').strip()}")
 
     def _failure(self, lane: Lane, e: BaseException) -> str:
         """Describe a failed stream; if it looks like a hang, check /health and kill a hung process."""
