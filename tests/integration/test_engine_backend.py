@@ -71,6 +71,21 @@ async def test_second_request_with_the_same_prefix_reports_cached_tokens(backend
     assert set(chain_hashes(ids, 16, load_model_info(None).chain_root.hash)) <= added  # from the model's root
 
 
+async def test_cached_blocks_are_what_the_block_events_announced(backend):
+    """The prefix index's snapshot (workers/actor.py, with Redis) starts from cached_blocks(): an empty answer
+    would wipe the worker's entries there."""
+    ids = encode(PROMPTS[3] + " " + PROMPTS[1])
+    await collect(backend, GenerateRequest(request_id="cb", prompt_ids=ids, max_tokens=4, sampling=GREEDY))
+    await wait_idle(backend)
+    held = await backend.cached_blocks()
+    assert set(held) == {"gpu"}
+    announced = set()
+    for e in backend.events:
+        announced = announced | set(e.hashes) if e.kind == "added" else announced - set(e.hashes)
+    assert set(held["gpu"]) == announced
+    assert set(chain_hashes(ids, 16, load_model_info(None).chain_root.hash)) <= set(held["gpu"])
+
+
 async def test_stop_strings_cut_the_text_and_finish_with_stop(backend):
     ids = encode(PROMPTS[2])
     base = dict(prompt_ids=ids, max_tokens=24, sampling=GREEDY, ignore_eos=True)

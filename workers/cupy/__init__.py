@@ -14,10 +14,11 @@ The parts, by file:
 - sampler.py    greedy / temperature / top-k / top-p / min-p with per-request seeds, logprobs
 - drafter.py    draft tokens for speculation: prompt lookup (n-grams) and Predicted Outputs
 - speculative.py  speculation: K per step from policy.speculation, one-forward verification, rollback
-- drafter.py    draft tokens for speculation: prompt lookup and Predicted Outputs
-- speculative.py  verify every draft of a step in one forward; accept, roll back KV and blocks
 - constrain.py  grammar-constrained decoding (llguidance masks applied before sampling)
 - engine.py     the step loop: schedule, run the model, sample, update sequences
-- backend.py    EngineBackend: the worker's Backend, the engine in a thread bridged to asyncio
+- engine_loop.py  the step thread: adds and aborts in, step outputs handed over in batches
+- engine_process.py  that step thread in a process of its own (the GPU default), token ids over a socketpair
+- backend.py    EngineBackend: the worker's Backend, the step thread (here or in the engine process) bridged to
+                asyncio, detokenizing and stop strings per request
 - gpu/          the CUDA half: fused kernels, cuBLAS through ctypes, decode steps as CUDA graphs
 """

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import numpy as np
 
 from workers.cupy.device import array_module, cuda_available, device_name
@@ -32,6 +33,7 @@ from workers.protocol.detok import IncrementalDetokenizer, StopMatcher, TokenTex
 from workers.protocol.model import load_tokenizer
 
 log = logging.getLogger(__name__)
+_decode_outputs = msgspec.msgpack.Decoder(list[StepOutput]).decode  # an engine process's hand-overs
 
 __all__ = ["EngineBackend", "HANDOVER_S_PER_STREAM", "build_engine", "handover_due"]
 
@@ -108,8 +110,8 @@ class EngineBackend(Backend):
         self._proc = None  # workers.cupy.engine_process.EngineProcess
         self._inbox = None  # where adds and aborts go: the step thread's queue, or the engine process
         self._snapshot: dict = {}  # the engine process's last stats
-        self._grammars: dict[int, asyncio.Future] = {}
-        self._grammar_ids = itertools.count()
+        self._asked: dict[int, asyncio.Future] = {}  # questions to the engine process, by token
+        self._tokens = itertools.count()
         self._restarting: asyncio.Future | None = None
         self._tokenizer = None
         self._streams: dict[str, _Inbox] = {}
@@ -181,7 +183,7 @@ class EngineBackend(Backend):
     def _on_engine_message(self, msg) -> None:
         kind = msg[0]
         if kind == "out":
-            self._loop.call_soon_threadsafe(self._deliver, msg[1])
+            self._loop.call_soon_threadsafe(self._deliver, _decode_outputs(msg[1]))
         elif kind == "stats":
             self._snapshot = msg[1]
         elif kind == "one":
@@ -189,8 +191,8 @@ class EngineBackend(Backend):
         elif kind == "block":
             if self._block_sink is not None:
                 self._block_sink(msg[1])
-        elif kind == "grammar":
-            self._loop.call_soon_threadsafe(self._grammar_done, *msg[1:])
+        elif kind == "reply":
+            self._loop.call_soon_threadsafe(self._reply, *msg[1:])
         elif kind == "health":
             self._healthy = msg[1]
 
@@ -219,7 +221,7 @@ class EngineBackend(Backend):
     def _fail_streams(self, message: str) -> None:
         for inbox in list(self._streams.values()):
             inbox.put(RuntimeError(message))
-        for future in self._grammars.values():
+        for future in self._asked.values():
             if not future.done():
                 future.set_exception(BackendError(message, 503))
 
@@ -271,25 +273,41 @@ class EngineBackend(Backend):
         """Compile (or find cached) a grammar before its request reaches the step thread, off that thread."""
         if self._proc is None:
             return await _prepare_grammar(self._engine, schema_text)
-        token = next(self._grammar_ids)
-        future = self._grammars[token] = self._loop.create_future()
         try:
-            self._inbox.put(("grammar", token, schema_text))
-            await future
-        finally:
-            self._grammars.pop(token, None)
+            await self._ask("grammar", schema_text)
+        except _EngineSaid as said:
+            if said.kind == "grammar":
+                raise BackendError(f"the grammar cannot be compiled: {said.value}", 400,
+                                   "invalid_request_error") from None
+            raise BackendError(str(said.value), 503) from None
 
-    def _grammar_done(self, token: int, kind: str | None, message: str) -> None:
-        future = self._grammars.get(token)
+    async def cached_blocks(self) -> dict[str, list[int]]:
+        """Every block the engine holds, by tier (all on the device): the prefix index's snapshots start from it
+        (workers/actor.py). Without it a snapshot would be empty and wipe the worker's entries in Redis."""
+        if self._proc is not None:
+            return {"gpu": await self._ask("blocks")}
+        if self._engine is None:
+            return {"gpu": []}
+        return {"gpu": self._engine.blocks.cached_hashes()}
+
+    async def _ask(self, kind: str, *args):
+        """A question to the engine process and its answer (an _EngineSaid error when it says one)."""
+        token = next(self._tokens)
+        future = self._asked[token] = self._loop.create_future()
+        try:
+            self._inbox.put((kind, token, *args))
+            return await future
+        finally:
+            self._asked.pop(token, None)
+
+    def _reply(self, token: int, error: str | None, value) -> None:
+        future = self._asked.get(token)
         if future is None or future.done():
             return
-        if kind is None:
-            future.set_result(None)
-        elif kind == "grammar":
-            future.set_exception(BackendError(f"the grammar cannot be compiled: {message}", 400,
-                                              "invalid_request_error"))
+        if error is None:
+            future.set_result(value)
         else:
-            future.set_exception(BackendError(message, 503))
+            future.set_exception(_EngineSaid(error, value))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, on the event loop: each to its request's inbox (none: the request has ended)."""
@@ -464,6 +482,14 @@ def _builder(path: str):
     from workers.cupy.engine_process import builder
 
     return builder(path)
+
+
+class _EngineSaid(Exception):
+    """The engine process's answer was an error: `kind` says which (see EngineBackend's callers)."""
+
+    def __init__(self, kind: str, value):
+        super().__init__(f"{kind}: {value}")
+        self.kind, self.value = kind, value
 
 
 class _ProcessInbox:

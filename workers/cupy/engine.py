@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 
 from workers.cupy.batch import build_batch
@@ -23,8 +22,11 @@ from workers.protocol import GenerateRequest, TokenLogprob
 RATE_WINDOW_S = 5.0  # tokens/s in stats are averaged over this many recent seconds
 
 
-@dataclass
-class StepOutput:
+class StepOutput(msgspec.Struct, array_like=True):
+    """One sequence's tokens from one step. A msgspec Struct: cheap to make on the step thread, and an engine
+    process (workers/cupy/engine_process.py) sends a hand-over's outputs as one msgpack array, ~5x cheaper to
+    encode and decode than pickling them."""
+
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
@@ -34,10 +36,6 @@ class StepOutput:
     completion_tokens: int = 0
     drafted_tokens: int = 0  # speculation, cumulative for the request
     accepted_tokens: int = 0
-
-    def __reduce__(self):  # positional: half the pickling cost of a dataclass's default (an engine process's outputs)
-        return (StepOutput, (self.request_id, self.token_ids, self.logprobs, self.finish_reason, self.prompt_tokens,
-                             self.cached_tokens, self.completion_tokens, self.drafted_tokens, self.accepted_tokens))
 
 
 class Engine:

@@ -366,6 +366,11 @@ class BlockManager:
         seq.local_table, seq.local_start = [], 0
         self._hit_windows.pop(seq, None)
 
+    def cached_hashes(self) -> list[int]:
+        """Every hashed block of the global pool (referenced or cached): what the block events have announced and
+        not withdrawn, for the prefix index's snapshots. Safe from another thread (one C-level copy of the keys)."""
+        return list(self.glob.by_hash)
+
     def flush_events(self) -> None:
         """Send this step's evictions, then additions, to the block sink (a hash may leave and come back)."""
         evicted = self.glob.evicted
