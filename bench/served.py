@@ -117,7 +117,8 @@ def pulse_config(args, port: int, log_dir: Path, process: str = "auto") -> Path:
     pulse-inproc target, the engine's step thread in the worker's process as before that split)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
            "workers": {"backend": "cupy", "count": 1,
-                       "engine": {"device": args.device, "max_num_seqs": max(args.clients), "process": process}},
+                       "engine": {"device": args.device, "process": process,
+                                  **({} if args.profile_batch else {"max_num_seqs": max(args.clients)})}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
     if args.profile:
         cfg["workers"]["device_profile"] = args.profile
@@ -220,6 +221,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request")
     ap.add_argument("--device", default="auto", help="the Pulse engine's device")
+    ap.add_argument("--profile-batch", action="store_true", help=(
+        "keep the device profile's max_num_seqs (default: the largest client count, so that nobody queues); "
+        "with it, clients beyond the batch wait in the gateway's admission queue as they would in production"))
     ap.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                     help="workers.engine.process for the pulse and pulse-k0 targets (auto: on with a GPU engine)")
     ap.add_argument("--profile", help="device profile (default: detected)")
