@@ -280,10 +280,11 @@ class WorkerStream(asyncio.Protocol):
         """Done with this response (call it once): a connection whose answer came to its end waits for the
         next request to that worker; one still streaming is closed (the worker then cancels the generation).
 
-        The worker writes the chunked terminator after its final chunk, in a write of its own, so a reader
-        that stops at the final chunk often closes before the terminator is in: then the connection waits
-        up to LINGER_S for it and goes back to the pool, instead of being dropped (the next request to that
-        worker would pay a new connection at both ends)."""
+        The worker writes its final line and the chunked terminator in one write (workers/stream.py); where
+        they still arrive apart (split on the way, or a worker from before that change) and a reader stops at
+        the final chunk before the terminator is in, the connection waits up to LINGER_S for it and goes back
+        to the pool, instead of being dropped (the next request to that worker would pay a new connection at
+        both ends)."""
         if self.transport is None:
             return
         if self._mode == "done" and self._keep and self._error is None:

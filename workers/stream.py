@@ -121,12 +121,14 @@ class StreamServer:
         try:
             await resp.prepare(request)
             chunk = first
-            while True:
+            while chunk.finish_reason is None:
                 await resp.write(encode(chunk) + b"\n")
-                if chunk.finish_reason is not None:
-                    _finish_span(span, chunk)
-                    return resp
                 chunk = await chunks.__anext__()
+            # the final line and the chunked terminator in one write: a gateway that stops reading at the final
+            # line finds the terminator already there and keeps the connection (gateway/channel.py)
+            await resp.write_eof(encode(chunk) + b"\n")
+            _finish_span(span, chunk)
+            return resp
         except StopAsyncIteration:
             return resp
         finally:

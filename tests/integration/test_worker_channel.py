@@ -104,3 +104,33 @@ async def test_within_bounds_streams(worker):
         assert r.status == 200
         lines = [line for line in (await r.read()).split(b"\n") if line]
         assert b'"finish_reason"' in lines[-1]
+
+
+async def test_the_final_line_and_the_chunked_terminator_leave_in_one_write(worker):
+    """A gateway stops reading at the final line; the terminator already beside it lets it keep the connection
+    (gateway/channel.py). A blocking reader in a thread wakes on the first bytes that arrive, so a terminator
+    written apart (as before) is not yet in its buffer when the final line is."""
+    import asyncio
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    srv, url, _ = worker
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    body = json.dumps(_gen()).encode()
+    head = (f"POST /generate HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {srv.secret}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+
+    def read_to_final_line() -> bytes:
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(head + body)
+            got = b""
+            while b'"finish_reason"' not in got:
+                data = s.recv(65536)
+                assert data, got
+                got += data
+            return got
+
+    for _ in range(5):
+        got = await asyncio.to_thread(read_to_final_line)
+        assert got.endswith(b"\r\n0\r\n\r\n"), got[-120:]
