@@ -139,11 +139,14 @@ class _GateBucket:
 
 
 class SpeculationGate:
-    """Per concurrency bucket (1, 2-3, 4-7, ... sequences running), whether prompt-lookup drafting pays on
-    this device and traffic now, from the engine's own decode-step timings.
+    """Per concurrency bucket (1, 2-3, 4-7, ... sequences running) and per kind of batch (mostly greedy, or
+    mostly sampled), whether prompt-lookup drafting pays on this device and traffic now, from the engine's own
+    decode-step timings. Sampled batches keep books of their own: at temperature 1 far fewer drafts are kept,
+    and on the H200 greedy story text at 8 streams drafted to 1.63x while the same text sampled lost 13%
+    (BENCHMARKS.md, issue 19), so a bucket that learned "draft" from greedy traffic was wrong for sampled.
 
-        if gate.drafting(running): ...draft...
-        gate.observe(running, drafting, tokens_emitted, step_seconds)   # decode-only steps
+        if gate.drafting(running, sampled): ...draft...
+        gate.observe(running, drafting, tokens_emitted, step_seconds, sampled)   # decode-only steps
 
     Pure bookkeeping (the caller times the steps), so a test can drive it with any timings."""
 
@@ -156,20 +159,21 @@ class SpeculationGate:
     def bucket(concurrency: int) -> int:
         return max(1, concurrency).bit_length()
 
-    def _state(self, concurrency: int) -> _GateBucket:
-        b = self.bucket(concurrency)
-        st = self._buckets.get(b)
+    def _state(self, concurrency: int, sampled: bool = False) -> _GateBucket:
+        key = (self.bucket(concurrency), sampled)
+        st = self._buckets.get(key)
         if st is None:
-            st = self._buckets[b] = _GateBucket()
+            st = self._buckets[key] = _GateBucket()
         return st
 
-    def drafting(self, concurrency: int) -> bool:
-        return self._state(concurrency).drafting
+    def drafting(self, concurrency: int, sampled: bool = False) -> bool:
+        return self._state(concurrency, sampled).drafting
 
-    def observe(self, concurrency: int, drafting: bool, tokens: int, seconds: float) -> None:
+    def observe(self, concurrency: int, drafting: bool, tokens: int, seconds: float, sampled: bool = False) -> None:
         """One decode step of the bucket, in mode `drafting` (a step of the other mode, from a bucket's
-        switch between a step's draft and its timing, is dropped), that emitted `tokens` in `seconds`."""
-        st = self._state(concurrency)
+        switch between a step's draft and its timing, is dropped), that emitted `tokens` in `seconds`;
+        `sampled`: most of the step's decoding sequences sample (temperature > 0)."""
+        st = self._state(concurrency, sampled)
         if drafting != st.drafting or seconds <= 0:
             return
         st.steps += 1
@@ -193,7 +197,8 @@ class SpeculationGate:
         st.drafting = (not best) if st.epochs % every == 0 else best
 
     def snapshot(self) -> dict:
-        """{bucket's lowest concurrency: {"drafting": mode now, "on": tok/s, "off": tok/s}} for /stats
-        (tokens per second per running sequence)."""
-        return {1 << (b - 1): {"drafting": st.drafting, "on": st.rate.get(True), "off": st.rate.get(False)}
-                for b, st in sorted(self._buckets.items())}
+        """{bucket's lowest concurrency (greedy batches) or "<it> sampled": {"drafting": mode now, "on": tok/s,
+        "off": tok/s}} for /stats (tokens per second per running sequence)."""
+        return {(1 << (b - 1) if not sampled else f"{1 << (b - 1)} sampled"):
+                {"drafting": st.drafting, "on": st.rate.get(True), "off": st.rate.get(False)}
+                for (b, sampled), st in sorted(self._buckets.items())}

@@ -80,3 +80,20 @@ def test_rates_are_per_running_sequence_so_a_bigger_batch_in_the_bucket_does_not
             gate.observe(conc, gate.drafting(conc), conc, 0.01)
     snap = gate.snapshot()[32]
     assert snap["on"] == pytest.approx(snap["off"]) == pytest.approx(100.0)
+
+
+def test_sampled_batches_keep_books_of_their_own():
+    """Greedy text drafts to a win at 8 streams while the same text sampled at temperature 1 loses (the H200's
+    served table): a bucket taught by greedy traffic must not decide for sampled traffic, and the other way."""
+    gate = SpeculationGate(EPOCH, EXPLORE)
+
+    def run_kind(sampled: bool, steps: int, rate_on: float, rate_off: float) -> None:
+        for _ in range(steps):
+            on = gate.drafting(8, sampled)
+            gate.observe(8, on, 8, 8 / (rate_on if on else rate_off), sampled)
+
+    run_kind(False, 20 * EPOCH, 1600.0, 1000.0)
+    run_kind(True, 20 * EPOCH, 870.0, 1000.0)
+    assert gate.drafting(8) and not gate.drafting(8, sampled=True)
+    snap = gate.snapshot()
+    assert snap[8]["on"] > snap[8]["off"] and snap["8 sampled"]["off"] > snap["8 sampled"]["on"]

@@ -74,7 +74,9 @@ class Speculator:
             del self._seqs[rid]
         running = len(engine.scheduler.running)
         budget = engine.scheduler.max_step_tokens - sum(n for _, n in scheduled)
-        mode = self.gate.drafting(running) if self.gate is not None else True
+        decoding = [seq.sampling.temperature > 0 for seq, n in scheduled if n == 1]
+        sampled = 2 * sum(decoding) > len(decoding)  # the gate keeps sampled batches' books apart
+        mode = self.gate.drafting(running, sampled) if self.gate is not None else True
         drafts, ks, eligible = {}, [], False
         for b, (seq, n) in enumerate(scheduled):
             spec = self._seqs.get(seq.request_id)
@@ -107,14 +109,14 @@ class Speculator:
         # max_draft_tokens 0 says nothing about drafting), except an off-mode step that verifies a
         # prediction's drafts, which is neither mode's cost
         timed = self.gate is not None and eligible and (mode or not drafts)
-        self._timed = (running, mode) if timed else None
+        self._timed = (running, mode, sampled) if timed else None
         return drafts
 
     def observe(self, tokens: int, prefilled: int, seconds: float) -> None:
         """The step `propose` began took `seconds` and emitted `tokens`; decode-only steps feed the gate."""
         timed, self._timed = self._timed, None
         if timed is not None and not prefilled:
-            self.gate.observe(timed[0], timed[1], tokens, seconds)
+            self.gate.observe(timed[0], timed[1], tokens, seconds, timed[2])
 
     # --- verification ------------------------------------------------------------------------------
     def verify(self, engine, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]]):
