@@ -69,6 +69,12 @@ def _stat(pid: int) -> tuple[str, str, int] | None:
     return stat[stat.find("(") + 1: stat.rfind(")")], fields[0], int(fields[19])
 
 
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited and waiting for its parent to reap it, counts as gone)."""
+    info = _stat(pid)
+    return info is not None and info[1] != "Z"
+
+
 def start_time(pid: int) -> int | None:
     info = _stat(pid)
     return info[2] if info else None

@@ -14,6 +14,7 @@ import time
 import pytest
 import pytest_asyncio
 
+from bench.procs import alive
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles
 from tests.integration.engine_helpers import PROMPTS, encode
@@ -50,16 +51,6 @@ async def wait_healthy(backend, timeout_s=120.0):
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"not healthy again after {timeout_s} s: {backend.stats()}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped by its parent) is gone for this purpose
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 async def test_a_killed_engine_process_ends_its_streams_with_an_error_and_comes_back(backend):
