@@ -291,7 +291,7 @@ class BlockManager:
         """Register the blocks that this step filled, so later requests can reuse them; then give back
         the local blocks no later query of `seq` reads."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):  # usually none: a block per 16 tokens
             parent = seq.block_hashes[-1] if seq.block_hashes else self.root.hash
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
@@ -306,7 +306,9 @@ class BlockManager:
                 self._added.append(h)
             if self.local is not None and seq.local_table[i] >= 0:
                 self.local.register(seq.local_table[i], h, key)
-        if self.local is not None:
+        # first_needed inline: at 256 decoding sequences a call per sequence per step to find that nothing
+        # slid out was most of this method's time (on the engine's step thread)
+        if self.local is not None and max(0, seq.num_computed - self.window + 1) // bs > seq.local_start:
             self._slide(seq)
 
     def _slide(self, seq: Sequence) -> None:
@@ -318,6 +320,8 @@ class BlockManager:
 
         Two windows go back young (`_kept`): behind the prompt's end, and behind the hit point."""
         end = min(self.first_needed(seq.num_computed), len(seq.local_table))
+        if end <= seq.local_start:  # nothing slid out this step (most steps: a block every 16 tokens)
+            return
         kept = self._kept(seq)
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
