@@ -113,3 +113,41 @@ async def test_no_worker_is_503_without_queueing():
 
     d = await gate.enter(nowhere)
     assert (d.action, d.status, d.code) == ("reject", 503, "no_healthy_worker") and gate.depth == 0
+
+
+async def test_a_deep_queue_re_routes_at_a_pace_set_by_place_not_every_poll():
+    """Only the head can be admitted; requests further back re-check (for an early refusal) more rarely the
+    further back they are. 64 queued behind a full worker for 0.5 s at poll_s 10 ms: every one re-routing
+    every poll would be ~3,200 route() calls; by place, about a fifth of that."""
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=100, queue_deadline_s=30), poll_s=0.01)
+    worker, calls = Worker(slots=1), [0]
+    worker.running = 1  # full: nobody is admitted while we count
+
+    def counting_route():
+        inner = worker.route()
+
+        async def route():
+            calls[0] += 1
+            return await inner()
+
+        return route
+
+    waiters = [asyncio.create_task(gate.enter(counting_route())) for _ in range(64)]
+    await asyncio.sleep(0.05)
+    assert gate.depth == 64
+    calls[0] = 0
+    await asyncio.sleep(0.5)
+    assert calls[0] < 0.35 * 64 * 50, calls[0]
+    assert calls[0] > 50  # the head still polls at poll_s
+    worker.running = 0  # the slot frees: the head goes at once, and each admitted one wakes the next
+    gate.leave()
+    for _ in range(64):
+        done, _ = await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "the next head was not woken"
+        for t in done:
+            waiters.remove(t)
+            assert t.result().action == "admit"
+            gate.leave()
+        if not waiters:
+            break
+    assert not waiters
