@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from workers.protocol import Chunk
+from workers.protocol.http1 import ResponseFraming
 
 RCVBUF = 256 * 1024  # a worker socket's receive buffer: what piles up in the kernel for a stream stays bounded
 HIGH_WATER = 64 * 1024  # bytes of unread lines at which this end stops reading the socket
@@ -54,8 +55,10 @@ def _address(url: str) -> tuple[str, int, str]:
     return parts.hostname, parts.port or 80, parts.netloc
 
 
-class WorkerStream(asyncio.Protocol):
+class WorkerStream(ResponseFraming, asyncio.Protocol):
     """One connection to a worker and the response being read on it (one at a time: no pipelining)."""
+
+    peer = "the worker"
 
     def __init__(self, pool: Channels, key: tuple[str, int]):
         self.pool, self.key = pool, key
@@ -65,20 +68,13 @@ class WorkerStream(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._buf = b""  # bytes not parsed yet (head, chunk framing)
-        self._tail = b""  # the start of a line not complete yet
-        self._mode = "head"  # head -> chunked | length | eof -> done
-        self._left = 0  # bytes left in the current chunk (chunked) or the body (length)
-        self._body: list[bytes] = []  # a non-streamed (error) body
+        self._reset_framing()
         self._ready: list[Chunk] = []
         self._ready_bytes = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self._paused = False
         self._got_bytes = False
-        self._keep = True
         self._final = False  # a chunk with a finish_reason was decoded: the generation's answer is complete
         self._linger: asyncio.TimerHandle | None = None  # closed after its final chunk, waiting for the terminator
 
@@ -102,7 +98,7 @@ class WorkerStream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._got_bytes = True
         try:
-            self._parse(self._buf + data if self._buf else data)
+            self._feed(data)
         except ValueError as e:  # a malformed frame or line (msgspec.DecodeError too): end the stream with it
             self._keep = False
             self._error = e
@@ -121,118 +117,16 @@ class WorkerStream(asyncio.Protocol):
     def eof_received(self):
         return None  # close; connection_lost ends the response (EOF-delimited bodies) or reports it cut
 
-    # ---- parsing -------------------------------------------------------------------------------
-    def _parse(self, buf: bytes) -> None:
-        if self._mode == "head":
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > 65536:
-                    raise ValueError("worker response head too long")
-                self._buf = buf
-                return
-            self._head(buf[:end].decode("latin-1"))
-            buf = buf[end + 4:]
-        if self._mode == "chunked":
-            buf = self._chunks(buf)
-        elif self._mode == "length":
-            take = buf[:self._left]
-            self._left -= len(take)
-            self._payload(take)
-            buf = buf[len(take):]
-            if self._left == 0:
-                self._finish()
-        elif self._mode == "eof":
-            self._payload(buf)
-            buf = b""
-        if buf and self._mode == "done":
-            raise ValueError("bytes after the end of a worker response")
-        self._buf = buf
+    # ---- parsing (workers/protocol/http1.py) ---------------------------------------------------
+    def _take_lines(self, block: bytes) -> None:
+        _decode_into(self._ready, block)
+        self._ready_bytes += len(block)
+        if self._ready:
+            self._final = self._ready[-1].finish_reason is not None
 
-    def _head(self, head: str) -> None:
-        status_line, *lines = head.split("\r\n")
-        version, _, rest = status_line.partition(" ")
-        if not version.startswith("HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x answer: {status_line[:80]!r}")
-        self.status = int(rest[:3])
-        for line in lines:
-            name, _, value = line.partition(":")
-            self.headers[name.strip().lower()] = value.strip()
-        if self.headers.get("connection", "").lower() == "close" or version == "HTTP/1.0":
-            self._keep = False
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            self._mode = "chunked"
-        elif "content-length" in self.headers:
-            self._mode, self._left = "length", int(self.headers["content-length"])
-            if self._left == 0:
-                self._finish()
-        else:
-            self._mode, self._keep = "eof", False
-
-    def _chunks(self, buf: bytes) -> bytes:
-        """Consume whole chunks of a chunked body from `buf`; returns what is left (a partial frame)."""
-        pos, n, parts = 0, len(buf), []
-        while pos < n:
-            if self._left > 0:  # inside a chunk's data
-                take = min(self._left, n - pos)
-                parts.append(buf[pos:pos + take])
-                pos += take
-                self._left -= take
-                if self._left:
-                    break
-                self._left = -2  # its CRLF follows
-            if self._left == -2:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._left = 0
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if n - pos > 1024:
-                    raise ValueError("worker chunk size line too long")
-                break
-            size = int(buf[pos:eol].split(b";", 1)[0], 16)
-            if size == 0:  # the last chunk; no trailers come from the worker, only the final CRLF
-                if buf.find(b"\r\n", eol + 2) < 0:
-                    break
-                pos = buf.find(b"\r\n", eol + 2) + 2
-                self._payload(b"".join(parts))
-                parts = []
-                self._finish()
-                return buf[pos:]
-            pos = eol + 2
-            self._left = size
-        if parts:
-            self._payload(b"".join(parts))
-        return buf[pos:]
-
-    def _payload(self, data: bytes) -> None:
-        if not data:
-            return
-        if self.status != 200:
-            self._body.append(data)
-            return
-        if self._tail:
-            data = self._tail + data
-        cut = data.rfind(b"\n") + 1
-        self._tail = data[cut:]
-        if cut:
-            _decode_into(self._ready, data[:cut])
-            self._ready_bytes += cut
-            if self._ready:
-                self._final = self._ready[-1].finish_reason is not None
-
-    def _finish(self) -> None:
-        if self._tail.strip() and self.status == 200:
-            _decode_into(self._ready, self._tail)
-        self._tail = b""
-        self._mode = "done"
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _last_line(self, line: bytes) -> None:
+        if line.strip():
+            _decode_into(self._ready, line)
 
     # ---- the reader's side ---------------------------------------------------------------------
     async def _wait(self) -> None:

@@ -137,7 +137,7 @@ async def test_unread_lines_past_high_water_pause_the_socket_until_read():
     line = b"data: " + b"x" * 1000
     s.data_received(HEAD + _chunked([line + b"\n\n"] * (HIGH_WATER // 1000 + 2))[:-5])
     assert await s.head(1.0) and t.paused
-    while s._lines:
+    while s._lines_ready:
         assert await s.line(1.0) == line
     assert not t.paused
 

@@ -23,6 +23,8 @@ import asyncio
 import socket
 from collections import deque
 
+from workers.protocol.http1 import ResponseFraming
+
 HIGH_WATER = 64 * 1024
 
 
@@ -30,19 +32,15 @@ class StreamClosed(ConnectionResetError):
     """The connection closed (by llama-server, by a crash, or by `close`) before the answer's end."""
 
 
-class LlamaStream(asyncio.Protocol):
+class LlamaStream(ResponseFraming, asyncio.Protocol):
     """One request's connection and its answer, one-shot (`Connection: close`)."""
+
+    peer = "llama-server"
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._buf = b""  # not parsed yet: the head, a chunk frame cut by a read
-        self._tail = b""  # the start of a line not complete yet
-        self._mode = "head"  # head -> chunked | length | eof -> done
-        self._left = 0  # bytes left in the current chunk (chunked) or the body (length)
-        self._body: list[bytes] = []  # a non-200 answer's body
-        self._lines: deque[bytes] = deque()
+        self._reset_framing()
+        self._lines_ready: deque[bytes] = deque()
         self._ready_bytes = 0
         self._paused = False
         self._error: BaseException | None = None
@@ -63,7 +61,7 @@ class LlamaStream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self._parse(self._buf + data if self._buf else data)
+            self._feed(data)
         except ValueError as e:  # a malformed frame: end the stream with it
             self._error = StreamClosed(f"malformed answer from llama-server: {e}")
             if self.transport is not None:
@@ -76,110 +74,16 @@ class LlamaStream(asyncio.Protocol):
     def eof_received(self):
         return None  # close: connection_lost ends an EOF-delimited body or reports the answer cut
 
-    # ---- parsing -------------------------------------------------------------------------------
-    def _parse(self, buf: bytes) -> None:
-        if self._mode == "head":
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > 65536:
-                    raise ValueError("response head too long")
-                self._buf = buf
-                return
-            self._head(buf[:end].decode("latin-1"))
-            buf = buf[end + 4:]
-        if self._mode == "chunked":
-            buf = self._chunks(buf)
-        elif self._mode == "length":
-            take = buf[:self._left]
-            self._left -= len(take)
-            self._payload(take)
-            buf = b""
-            if self._left == 0:
-                self._finish()
-        elif self._mode == "eof":
-            self._payload(buf)
-            buf = b""
-        self._buf = buf if self._mode != "done" else b""
+    # ---- parsing (workers/protocol/http1.py) ---------------------------------------------------
+    def _take_lines(self, block: bytes) -> None:
+        for line in block.split(b"\n"):
+            if line.startswith((b"data: ", b"error: ")):
+                self._lines_ready.append(line)
+                self._ready_bytes += len(line)
 
-    def _head(self, head: str) -> None:
-        status_line, *lines = head.split("\r\n")
-        version, _, rest = status_line.partition(" ")
-        if not version.startswith("HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x answer: {status_line[:80]!r}")
-        self.status = int(rest[:3])
-        for line in lines:
-            name, _, value = line.partition(":")
-            self.headers[name.strip().lower()] = value.strip()
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            self._mode = "chunked"
-        elif "content-length" in self.headers:
-            self._mode, self._left = "length", int(self.headers["content-length"])
-            if self._left == 0:
-                self._finish()
-        else:
-            self._mode = "eof"
-
-    def _chunks(self, buf: bytes) -> bytes:
-        """Consume whole chunks of a chunked body from `buf`; returns what is left (a partial frame)."""
-        pos, n, parts = 0, len(buf), []
-        while pos < n:
-            if self._left > 0:  # inside a chunk's data
-                take = min(self._left, n - pos)
-                parts.append(buf[pos:pos + take])
-                pos += take
-                self._left -= take
-                if self._left:
-                    break
-                self._left = -2  # its CRLF follows
-            if self._left == -2:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._left = 0
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if n - pos > 1024:
-                    raise ValueError("chunk size line too long")
-                break
-            size = int(buf[pos:eol].split(b";", 1)[0], 16)
-            if size == 0:  # the last chunk (trailers, if any, are not read: the connection is not reused)
-                self._payload(b"".join(parts))
-                self._finish()
-                return b""
-            pos = eol + 2
-            self._left = size
-        if parts:
-            self._payload(b"".join(parts))
-        return buf[pos:]
-
-    def _payload(self, data: bytes) -> None:
-        if not data:
-            return
-        if self.status != 200:
-            self._body.append(data)
-            return
-        if self._tail:
-            data = self._tail + data
-        cut = data.rfind(b"\n") + 1
-        self._tail = data[cut:]
-        if cut:
-            for line in data[:cut].split(b"\n"):
-                if line.startswith((b"data: ", b"error: ")):
-                    self._lines.append(line)
-                    self._ready_bytes += len(line)
-
-    def _finish(self) -> None:
-        if self._tail.startswith((b"data: ", b"error: ")) and self.status == 200:
-            self._lines.append(self._tail)
-        self._tail = b""
-        self._mode = "done"
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _last_line(self, line: bytes) -> None:
+        if line.startswith((b"data: ", b"error: ")):
+            self._lines_ready.append(line)
 
     # ---- the reader's side ---------------------------------------------------------------------
     async def _wait(self, timeout_s: float | None) -> bool:
@@ -217,8 +121,8 @@ class LlamaStream(asyncio.Protocol):
         """The next `data: ` or `error: ` line (without its newline); b"" once the answer ended without
         one. TimeoutError: nothing arrived for `idle_timeout_s`; StreamClosed: the connection was cut."""
         while True:
-            if self._lines:
-                line = self._lines.popleft()
+            if self._lines_ready:
+                line = self._lines_ready.popleft()
                 self._ready_bytes -= len(line)
                 if self._paused and self._ready_bytes < HIGH_WATER and self.transport is not None:
                     self._paused = False
