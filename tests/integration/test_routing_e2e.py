@@ -8,7 +8,6 @@ on the CPU and a real redis-server.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest

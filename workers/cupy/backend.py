@@ -17,7 +17,6 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -382,8 +381,8 @@ class _Inbox:
 class _ChunkStream:
     """Engine outputs of one request -> Chunks: detokenized, stop strings cut, several tokens coalesced."""
 
-    def __init__(self, request: GenerateRequest, outputs: _Inbox, tokenizer, texts: TokenTexts,
-                 inbox: queue.SimpleQueue):
+    def __init__(self, request: GenerateRequest, outputs: _Inbox, tokenizer, texts: TokenTexts, inbox):
+        """`inbox`: where an abort goes (the step thread's queue, or _ProcessInbox to an engine process)."""
         self.request, self.outputs, self.inbox = request, outputs, inbox
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, texts)
         self.stop = StopMatcher(request.stop)
