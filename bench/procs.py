@@ -75,6 +75,16 @@ def alive(pid: int) -> bool:
     return info is not None and info[1] != "Z"
 
 
+def wait_gone(pid: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether `pid` is gone (exited; a zombie counts) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def start_time(pid: int) -> int | None:
     info = _stat(pid)
     return info[2] if info else None

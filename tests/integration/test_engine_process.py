@@ -14,7 +14,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from bench.procs import alive
+from bench.procs import alive, wait_gone
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles
 from tests.integration.engine_helpers import PROMPTS, encode
@@ -120,9 +120,6 @@ def _kill_a_worker() -> None:
         assert alive(engine_pid)
         worker.kill()
         worker.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while alive(engine_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(engine_pid)
+        assert wait_gone(engine_pid, 15)
     finally:
         worker.kill()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from bench.procs import wait_gone
 from tests.conftest import ROOT
 from tests.integration.llama_server_helpers import (
     collect, encode, llama_server_binary, make_backend, pid_alive, request)
@@ -150,10 +151,7 @@ def test_llama_server_dies_with_a_killed_worker(tmp_path):
         assert pid_alive(pid)
         worker.kill()
         worker.wait()
-        deadline = time.monotonic() + 5
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not pid_alive(pid)
+        assert wait_gone(pid, 5)
     finally:
         worker.kill()
         worker.wait()
