@@ -25,9 +25,25 @@ import numpy as np
 from workers.cupy.device import array_module, cuda_available, device_name
 from workers.cupy.drafter import prediction_usage
 from workers.cupy.engine import Engine, StepOutput, create_engine
-from workers.cupy.engine_loop import HANDOVER_S_PER_STREAM, STOP, EngineLoop, engine_snapshot, handover_due
+from workers.cupy.engine_loop import (
+    HANDOVER_S_PER_STREAM,
+    STOP,
+    EngineLoop,
+    engine_snapshot,
+    handover_due,
+    pipeline_stats,
+)
+from workers.cupy.engine_process import builder
 from workers.cupy.weights import load_weights
-from workers.protocol import Backend, BackendError, BackendStats, BlockSink, Chunk, GenerateRequest, Usage
+from workers.protocol import (
+    Backend,
+    BackendError,
+    BackendStats,
+    BlockSink,
+    Chunk,
+    GenerateRequest,
+    Usage,
+)
 from workers.protocol.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from workers.protocol.model import load_tokenizer
 
@@ -153,8 +169,8 @@ class EngineBackend(Backend):
         self._healthy = True
 
     def _build(self):
-        builder = _builder(self.engine_builder)
-        return builder(*self.engine_builder_args(), block_sink=self._block_sink), load_tokenizer(self._info.path)
+        engine = builder(self.engine_builder)(*self.engine_builder_args(), block_sink=self._block_sink)
+        return engine, load_tokenizer(self._info.path)
 
     async def _start_process(self) -> None:
         from workers.cupy.engine_process import EngineProcess
@@ -265,20 +281,15 @@ class EngineBackend(Backend):
 
     def pipeline_stats(self) -> dict | None:
         """The pipeline's transport, bytes and transfer time per token (workers/pipeline); None without one."""
-        stats = getattr(getattr(self._engine, "model", None), "stats", None)
-        return stats.as_dict() if hasattr(stats, "as_dict") else None
+        return pipeline_stats(self._engine)
 
     async def prepare_grammar(self, schema_text: str) -> None:
-        """Compile (or find cached) a grammar before its request reaches the step thread, off that thread."""
+        """Compile (or find cached) a grammar before its request reaches the step thread, off that thread;
+        BackendError (400: it cannot be compiled; 503: the grammar index is not ready)."""
         if self._proc is None:
-            return await _prepare_grammar(self._engine, schema_text)
-        try:
+            await asyncio.to_thread(compile_grammar, self._engine, schema_text)
+        else:
             await self._ask("grammar", schema_text)
-        except _EngineSaid as said:
-            if said.kind == "grammar":
-                raise BackendError(f"the grammar cannot be compiled: {said.value}", 400,
-                                   "invalid_request_error") from None
-            raise BackendError(str(said.value), 503) from None
 
     async def cached_blocks(self) -> dict[str, list[int]]:
         """Every block the engine holds, by tier (all on the device): the prefix index's snapshots start from it
@@ -290,7 +301,7 @@ class EngineBackend(Backend):
         return {"gpu": self._engine.blocks.cached_hashes()}
 
     async def _ask(self, kind: str, *args):
-        """A question to the engine process and its answer (an _EngineSaid error when it says one)."""
+        """A question to the engine process and its answer (the error it answers with is raised here)."""
         token = next(self._tokens)
         future = self._asked[token] = self._loop.create_future()
         try:
@@ -299,14 +310,14 @@ class EngineBackend(Backend):
         finally:
             self._asked.pop(token, None)
 
-    def _reply(self, token: int, error: str | None, value) -> None:
+    def _reply(self, token: int, value, error: BaseException | None) -> None:
         future = self._asked.get(token)
         if future is None or future.done():
             return
         if error is None:
             future.set_result(value)
         else:
-            future.set_exception(_EngineSaid(error, value))
+            future.set_exception(error)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, on the event loop: each to its request's inbox (none: the request has ended)."""
@@ -466,29 +477,18 @@ def _constraints(tokenizer, info, xp):
     return Constraints(GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids), xp)
 
 
-async def _prepare_grammar(engine: Engine, schema_text: str) -> None:
+def compile_grammar(engine: Engine, schema_text: str) -> None:
+    """`engine.constraints` compiles (or finds cached) `schema_text`: blocking, so off the step thread (in a
+    worker thread, here or in the engine process). BackendError 400 when it cannot be compiled, 503 while the
+    grammar's vocabulary index is not ready."""
     from workers.cupy.constrain import GrammarError
 
     try:
-        await asyncio.to_thread(engine.constraints.compiler.prepare, schema_text)
+        engine.constraints.compiler.prepare(schema_text)
     except GrammarError as exc:
         raise BackendError(f"the grammar cannot be compiled: {exc}", 400, "invalid_request_error") from None
     except RuntimeError as exc:
         raise BackendError(str(exc), 503) from None
-
-
-def _builder(path: str):
-    from workers.cupy.engine_process import builder
-
-    return builder(path)
-
-
-class _EngineSaid(Exception):
-    """The engine process's answer was an error: `kind` says which (see EngineBackend's callers)."""
-
-    def __init__(self, kind: str, value):
-        super().__init__(f"{kind}: {value}")
-        self.kind, self.value = kind, value
 
 
 class _ProcessInbox:

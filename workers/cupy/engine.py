@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
 import msgspec
 import numpy as np
 

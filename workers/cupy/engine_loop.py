@@ -143,6 +143,12 @@ class EngineLoop:
         self.emit_one(request_id, item)
 
 
+def pipeline_stats(eng) -> dict | None:
+    """A pipelined engine's transport, bytes and transfer time per token (workers/pipeline); None otherwise."""
+    stats = getattr(getattr(eng, "model", None), "stats", None)
+    return stats.as_dict() if hasattr(stats, "as_dict") else None
+
+
 def engine_snapshot(eng) -> dict:
     """The engine's side of BackendStats (fields by name), read from any thread."""
     custom = getattr(eng, "stats_snapshot", None)
@@ -150,8 +156,7 @@ def engine_snapshot(eng) -> dict:
         return custom()
     gen, prefill = eng.rates()
     spec = eng.speculator
-    stats = getattr(getattr(eng, "model", None), "stats", None)
-    pipe = stats.as_dict() if hasattr(stats, "as_dict") else None
+    pipe = pipeline_stats(eng)
     return {
         **({} if pipe is None else {
             "pipeline_transport": pipe["transport"], "pipeline_transfer_seconds": pipe["transfer_s"],

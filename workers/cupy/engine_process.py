@@ -14,7 +14,7 @@ GenerateRequest), ("abort", id), ("grammar", token, schema), ("blocks", token), 
 ("ready", (device,
 stats)), ("failed", message), ("out", msgpack bytes of [StepOutput, ...]) one per hand-over (msgspec: ~5x
 cheaper than pickling them, on the per-token path of both processes), ("one", id, item), ("block", BlockEvent),
-("stats", {...}) every STATS_EVERY_S, ("reply", token, error kind or None, value), ("health", bool). The engine process
+("stats", {...}) every STATS_EVERY_S, ("reply", token, value, BackendError or None), ("health", bool). The engine process
 exits when the socket closes, so a worker killed with SIGKILL does not leave its engine holding the GPU.
 """
 from __future__ import annotations
@@ -152,15 +152,9 @@ def main(fd: int) -> None:
         return
     from workers.cupy.engine_loop import STOP, EngineLoop, engine_snapshot
 
-    healthy = [True]
-
-    def on_health(ok: bool) -> None:
-        healthy[0] = ok
-        send(("health", ok))
-
     encode = msgspec.msgpack.Encoder().encode
     core = EngineLoop(engine, emit=lambda outputs: send(("out", encode(outputs))),
-                      emit_one=lambda rid, item: send(("one", rid, _picklable(item))), on_health=on_health)
+                      emit_one=lambda rid, item: send(("one", rid, _picklable(item))), on_health=lambda ok: send(("health", ok)))
     stepper = threading.Thread(target=core.run, name="engine", daemon=True)
     stepper.start()
     stopped = threading.Event()
@@ -186,7 +180,7 @@ def main(fd: int) -> None:
             elif kind == "grammar":
                 compiles.submit(_compile, engine, msg[1], msg[2], send)
             elif kind == "blocks":  # the prefix index's snapshot: every cached block hash, read between steps' edits
-                send(("reply", msg[1], None, engine.blocks.cached_hashes()))
+                send(("reply", msg[1], engine.blocks.cached_hashes(), None))
             elif kind == "stop":
                 break
     except (EOFError, OSError):  # the worker is gone: nothing will read what this engine makes
@@ -202,15 +196,16 @@ def main(fd: int) -> None:
 
 
 def _compile(engine, token: int, schema: str, send) -> None:
-    from workers.cupy.constrain import GrammarError
+    from workers.cupy.backend import compile_grammar
+    from workers.protocol import BackendError
 
     try:
-        engine.constraints.compiler.prepare(schema)
+        compile_grammar(engine, schema)
         reply = ("reply", token, None, None)
-    except GrammarError as exc:
-        reply = ("reply", token, "grammar", str(exc))
-    except Exception as exc:  # the vocabulary index still building or failed: the worker answers 503
-        reply = ("reply", token, "runtime", str(exc))
+    except BackendError as exc:
+        reply = ("reply", token, None, exc)
+    except Exception as exc:  # anything else the compiler raised: the worker answers 503 with it
+        reply = ("reply", token, None, BackendError(str(exc), 503))
     try:
         send(reply)
     except (OSError, ValueError):
