@@ -306,9 +306,8 @@ class BlockManager:
                 self._added.append(h)
             if self.local is not None and seq.local_table[i] >= 0:
                 self.local.register(seq.local_table[i], h, key)
-        # first_needed inline: at 256 decoding sequences a call per sequence per step to find that nothing
-        # slid out was most of this method's time (on the engine's step thread)
-        if self.local is not None and max(0, seq.num_computed - self.window + 1) // bs > seq.local_start:
+        # most steps nothing slid out (a block per 16 tokens): checked here, not by a call to _slide
+        if self.local is not None and self.first_needed(seq.num_computed) > seq.local_start:
             self._slide(seq)
 
     def _slide(self, seq: Sequence) -> None:
@@ -320,8 +319,6 @@ class BlockManager:
 
         Two windows go back young (`_kept`): behind the prompt's end, and behind the hit point."""
         end = min(self.first_needed(seq.num_computed), len(seq.local_table))
-        if end <= seq.local_start:  # nothing slid out this step (most steps: a block every 16 tokens)
-            return
         kept = self._kept(seq)
         for i in range(seq.local_start, end):
             if seq.local_table[i] >= 0:
