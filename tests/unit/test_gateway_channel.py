@@ -10,41 +10,21 @@ import asyncio
 import pytest
 
 from gateway.channel import Channels, WorkerStream
+from tests.unit.http1_helpers import RecordingTransport, chunked, feed_in_reads
 from workers.protocol import Chunk, Usage, encode
 
 CHUNKS = [Chunk(text=" t0", token_ids=[1000]), Chunk(text=" é\n", token_ids=[1001]),
           Chunk(finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=2))]
 
 
-def _chunked(parts: list[bytes]) -> bytes:
-    return b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in parts) + b"0\r\n\r\n"
-
-
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
 # one line per HTTP chunk, as the worker writes them, plus one chunk holding two lines
-BODY = _chunked([encode(CHUNKS[0]) + b"\n", encode(CHUNKS[1]) + b"\n" + encode(CHUNKS[2]) + b"\n"])
+BODY = chunked([encode(CHUNKS[0]) + b"\n", encode(CHUNKS[1]) + b"\n" + encode(CHUNKS[2]) + b"\n"])
 
 
-class _Transport:
-    def __init__(self):
-        self.closed = self.paused = False
-
-    def close(self):
-        self.closed = True
-
-    def is_closing(self):
-        return self.closed
-
-    def pause_reading(self):
-        self.paused = True
-
-    def resume_reading(self):
-        self.paused = False
-
-
-def _stream() -> tuple[WorkerStream, _Transport]:
+def _stream() -> tuple[WorkerStream, RecordingTransport]:
     s = WorkerStream(Channels(), ("127.0.0.1", 1))
-    t = _Transport()
+    t = RecordingTransport()
     s.connection_made(t)
     return s, t
 
@@ -57,9 +37,7 @@ async def _read(s: WorkerStream) -> list[Chunk]:
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 50, 10_000])
 async def test_any_split_of_a_chunked_answer_gives_the_same_chunks(step):
     s, t = _stream()
-    raw = HEAD + BODY
-    for i in range(0, len(raw), step):
-        s.data_received(raw[i:i + step])
+    feed_in_reads(s, HEAD + BODY, step)
     assert await _read(s) == CHUNKS
     s.close()
     assert not t.closed  # read to its end: kept for the next request
@@ -77,7 +55,7 @@ async def test_an_error_answer_gives_its_body():
 
 async def test_a_torn_line_is_a_value_error_after_the_good_ones():
     s, t = _stream()
-    s.data_received(HEAD + _chunked([encode(CHUNKS[0]) + b"\n{\"text\": 12\n"]))
+    s.data_received(HEAD + chunked([encode(CHUNKS[0]) + b"\n{\"text\": 12\n"]))
     await s.head()
     got = []
     with pytest.raises(ValueError):
@@ -97,7 +75,7 @@ async def test_bad_framing_is_a_value_error():
 async def test_a_connection_cut_mid_answer_raises_and_is_not_kept():
     channels = Channels()
     s = WorkerStream(channels, ("127.0.0.1", 1))
-    s.connection_made(_Transport())
+    s.connection_made(RecordingTransport())
     s.data_received(HEAD + BODY[:20])
     await s.head()
     s.connection_lost(None)
@@ -119,6 +97,6 @@ async def test_a_reader_that_stops_pauses_the_socket_and_reading_resumes_it():
 
 async def test_no_data_within_the_read_timeout_is_a_timeout():
     s = WorkerStream(Channels(read_timeout_s=0.05), ("127.0.0.1", 1))
-    s.connection_made(_Transport())
+    s.connection_made(RecordingTransport())
     with pytest.raises(asyncio.TimeoutError):
         await s.head()

@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 
+from tests.unit.http1_helpers import RecordingTransport, chunked, feed_in_reads
 from workers.llama_server import api
 from workers.llama_server.http import HIGH_WATER, LlamaStream, StreamClosed
 
@@ -20,31 +21,13 @@ EVENTS = [b'data: {"content":" t0","tokens":[1000],"stop":false,"id_slot":0}',
           b'data: {"content":"","tokens":[],"stop":true,"stop_type":"limit","timings":{"predicted_n":2}}']
 
 
-def _chunked(parts: list[bytes]) -> bytes:
-    return b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in parts) + b"0\r\n\r\n"
-
-
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 # one event per HTTP chunk, as llama-server writes them, plus one chunk holding two
-BODY = _chunked([EVENTS[0] + b"\n\n", EVENTS[1] + b"\n\n" + EVENTS[2] + b"\n\n"])
+BODY = chunked([EVENTS[0] + b"\n\n", EVENTS[1] + b"\n\n" + EVENTS[2] + b"\n\n"])
 
 
-class _Transport:
-    def __init__(self):
-        self.closed = self.paused = False
-
-    def close(self):
-        self.closed = True
-
-    def pause_reading(self):
-        self.paused = True
-
-    def resume_reading(self):
-        self.paused = False
-
-
-def _stream() -> tuple[LlamaStream, _Transport]:
-    s, t = LlamaStream(), _Transport()
+def _stream() -> tuple[LlamaStream, RecordingTransport]:
+    s, t = LlamaStream(), RecordingTransport()
     s.connection_made(t)
     return s, t
 
@@ -60,9 +43,7 @@ async def _lines(s: LlamaStream) -> list[bytes]:
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 50, 10_000])
 async def test_any_split_of_a_chunked_answer_gives_the_same_lines(step):
     s, _ = _stream()
-    raw = HEAD + BODY
-    for i in range(0, len(raw), step):
-        s.data_received(raw[i:i + step])
+    feed_in_reads(s, HEAD + BODY, step)
     assert await _lines(s) == EVENTS
     assert [api.decode_event(e[6:]).tokens for e in EVENTS[:2]] == [[1000], [1001]]
 
@@ -90,13 +71,13 @@ async def test_an_error_answer_gives_its_body():
 
 async def test_an_error_line_in_the_stream_is_a_line():
     s, _ = _stream()
-    s.data_received(HEAD + _chunked([EVENTS[0] + b"\n\n", b'error: {"message":"boom"}\n\n']))
+    s.data_received(HEAD + chunked([EVENTS[0] + b"\n\n", b'error: {"message":"boom"}\n\n']))
     assert await _lines(s) == [EVENTS[0], b'error: {"message":"boom"}']
 
 
 async def test_a_cut_connection_ends_a_waiting_reader():
     s, _ = _stream()
-    s.data_received(HEAD + _chunked([EVENTS[0] + b"\n\n"])[:-5])  # no terminating chunk
+    s.data_received(HEAD + chunked([EVENTS[0] + b"\n\n"])[:-5])  # no terminating chunk
     assert await s.head(1.0)
     assert await s.line(1.0) == EVENTS[0]
     waiting = asyncio.ensure_future(s.line(5.0))
@@ -135,7 +116,7 @@ async def test_an_idle_stream_times_out():
 async def test_unread_lines_past_high_water_pause_the_socket_until_read():
     s, t = _stream()
     line = b"data: " + b"x" * 1000
-    s.data_received(HEAD + _chunked([line + b"\n\n"] * (HIGH_WATER // 1000 + 2))[:-5])
+    s.data_received(HEAD + chunked([line + b"\n\n"] * (HIGH_WATER // 1000 + 2))[:-5])
     assert await s.head(1.0) and t.paused
     while s._lines_ready:
         assert await s.line(1.0) == line
