@@ -6,12 +6,17 @@ unicode edge cases in the text, streaming or not. Every answer is a 200 with a c
 in OpenAI's shape: no 5xx, no hang (each request has a deadline), no stream without its end.
 
 CI runs PULSE_ENGINE_FUZZ_EXAMPLES (default 40) requests per endpoint and backend; the long run is
-bench/fuzz_engine.sh.
+bench/fuzz_engine.sh, or bench/fuzz_shards.py, which starts one `pulse serve` itself and runs this module in
+several processes against it at once (PULSE_FUZZ_BASE: that server's URL, PULSE_FUZZ_BACKENDS: the backend it
+runs, PULSE_FUZZ_TALLY: where each process writes the statuses it got, one JSON object per endpoint).
 """
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections import Counter
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -35,6 +40,8 @@ server:
 ENGINE = "  backend: cupy\n  engine: {device: cpu, kv_blocks: 512, max_num_seqs: 4}"
 LLAMA = '  backend: llama-server\n  llama_server: {{binary: "{binary}", slots: 2, kv_tokens: 4096, threads: 2, log_dir: "{tmp}"}}'
 MODEL = "gemma-3-270m"
+BACKENDS = os.environ.get("PULSE_FUZZ_BACKENDS", "cupy,llama-server").split(",")
+TALLY: dict[str, Counter] = {}  # endpoint -> status (and "slowest_ms") of every request this process sent
 
 # text a tokenizer and detokenizer must survive: control characters, combining marks, RTL, emoji with
 # joiners, astral planes, the model's own control tokens written as text, JSON-looking text
@@ -110,8 +117,26 @@ def completion_requests(draw):
     return body
 
 
-@pytest.fixture(scope="module", params=["cupy", "llama-server"])
+class _Running:
+    """A server someone else started (bench/fuzz_shards.py): only its URL."""
+
+    def __init__(self, base: str):
+        self.base = base.rstrip("/")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tally():
+    """Writes TALLY to PULSE_FUZZ_TALLY (when set) once the module's tests are done."""
+    yield
+    if path := os.environ.get("PULSE_FUZZ_TALLY"):
+        Path(path).write_text(json.dumps({k: dict(v) for k, v in TALLY.items()}))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
 def engine_server(request, tmp_path_factory):
+    if base := os.environ.get("PULSE_FUZZ_BASE"):
+        yield _Running(base)
+        return
     tmp = tmp_path_factory.mktemp(f"fuzz-{request.param}")
     if request.param == "cupy":
         workers = ENGINE
@@ -126,9 +151,13 @@ def engine_server(request, tmp_path_factory):
 
 async def _send(base: str, path: str, body: dict) -> None:
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    started = time.monotonic()
     async with aiohttp.ClientSession(timeout=timeout) as http:
         async with http.post(base + path, json=body) as r:
             raw = await r.read()
+    tally = TALLY.setdefault(path, Counter())
+    tally[str(r.status)] += 1
+    tally["slowest_ms"] = max(tally["slowest_ms"], round((time.monotonic() - started) * 1000))
     assert r.status < 500, (r.status, raw[:400], body)
     if r.status >= 400:
         err = json.loads(raw)["error"]
