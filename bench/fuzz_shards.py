@@ -42,14 +42,14 @@ def config(args, port: int, log_dir: Path) -> Path:
     if args.model:
         cfg["model"]["path"] = args.model
     if args.backend == "cupy":
-        workers: dict = {"backend": "cupy", "count": 1, "engine": {"device": args.device}}
+        workers: dict = {"backend": "cupy", "count": args.workers, "engine": {"device": args.device}}
         if args.device == "cpu":  # the test module's own small engine
             workers["engine"].update(kv_blocks=512, max_num_seqs=4)
     else:
         ls: dict = {"binary": args.binary, "log_dir": str(log_dir)}
         if args.device == "cpu":
             ls.update(slots=2, kv_tokens=4096, threads=2)
-        workers = {"backend": "llama-server", "count": 1, "llama_server": ls}
+        workers = {"backend": "llama-server", "count": args.workers, "llama_server": ls}
     cfg["workers"] = workers
     path = log_dir / "pulse.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -92,7 +92,7 @@ def run(args) -> dict:
             slowest[endpoint] = max(slowest.get(endpoint, 0), counts.pop("slowest_ms", 0))
             statuses.setdefault(endpoint, Counter()).update(counts)
     log_text = server.log_path.read_text(errors="replace")
-    return {"backend": args.backend, "shards": args.shards, "examples_per_shard_endpoint": per_shard,
+    return {"backend": args.backend, "workers": args.workers, "shards": args.shards, "examples_per_shard_endpoint": per_shard,
             "exit_codes": codes, "wall_s": round(wall, 1), "server_alive_at_end": alive,
             "requests": {e: sum(c.values()) for e, c in statuses.items()},
             "statuses": {e: dict(c) for e, c in statuses.items()}, "slowest_ms": slowest,
@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=5000, help="requests per endpoint, over all shards")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--only", choices=["chat", "completions"], help="one endpoint (default: both)")
+    ap.add_argument("--workers", type=int, default=1, help=(
+        "worker actors (on one GPU they share it): llama-server samples under a grammar on the host, one slot after "
+        "another, so several llama-server workers are what spreads that over the cores"))
     ap.add_argument("--seed", type=int, default=1, help="shard i uses hypothesis seed SEED + i")
     ap.add_argument("--device", default="auto", help="the engine's device (auto, cuda, cpu)")
     ap.add_argument("--model", help="GGUF path (default: the bundled Gemma 3 270M)")

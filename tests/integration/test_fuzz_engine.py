@@ -128,6 +128,10 @@ class _Running:
 def _tally():
     """Writes TALLY to PULSE_FUZZ_TALLY (when set) once the module's tests are done."""
     yield
+    _write_tally()
+
+
+def _write_tally() -> None:
     if path := os.environ.get("PULSE_FUZZ_TALLY"):
         Path(path).write_text(json.dumps({k: dict(v) for k, v in TALLY.items()}))
 
@@ -158,6 +162,8 @@ async def _send(base: str, path: str, body: dict) -> None:
     tally = TALLY.setdefault(path, Counter())
     tally[str(r.status)] += 1
     tally["slowest_ms"] = max(tally["slowest_ms"], round((time.monotonic() - started) * 1000))
+    if tally[str(r.status)] % 100 == 0:  # also on the way: a run cut short by its time limit keeps its counts
+        _write_tally()
     assert r.status < 500, (r.status, raw[:400], body)
     if r.status >= 400:
         err = json.loads(raw)["error"]
