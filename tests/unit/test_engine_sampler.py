@@ -35,6 +35,14 @@ def test_greedy_rows_take_the_argmax_whatever_the_key():
     assert set(draw_all(SamplingParams(top_k=1)).tolist()) == {0}
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 5e-324, 9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    # 1/T overflows float32 (inf, then inf - inf = NaN logits): what such a temperature asks for is the argmax
+    with np.errstate(over="raise", invalid="raise"):
+        assert set(draw_all(SamplingParams(temperature=temperature), keys=KEYS[:200]).tolist()) == {0}
+    assert SampleRow(SamplingParams(temperature=temperature)).inv_temperature == 0.0
+
+
 def test_plain_sampling_follows_the_distribution():
     assert_follows(draw_all(SamplingParams(temperature=1.0)), PROBS)
 

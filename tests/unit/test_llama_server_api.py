@@ -13,7 +13,7 @@ def body(sampling: SamplingParams, **kw) -> dict:
     return msgspec.json.decode(request_body(req, None))
 
 
-@pytest.mark.parametrize("temperature", [0.0, -1.0])
+@pytest.mark.parametrize("temperature", [0.0, -1.0, 1e-30])
 def test_greedy_is_top_k_1(temperature):
     # top_k 1 leaves one candidate for the softmax; temperature 0 with top_k 0 runs it over the whole vocabulary
     s = SamplingParams(temperature=temperature, top_p=0.5, top_k=40, min_p=0.2, seed=7)
@@ -26,7 +26,8 @@ def test_greedy_is_top_k_1(temperature):
     (SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05),
      {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05}),
     (SamplingParams(temperature=0.5, top_k=-3), {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
-    (SamplingParams(temperature=1.0, top_k=1), {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}),
+    # top_k 1 is the argmax at any temperature: sent as greedy, as the engine treats it
+    (SamplingParams(temperature=1.0, top_k=1), {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}),
 ])
 def test_sampled_settings_keep_the_distribution(s, expected):
     assert sampler_settings(s) == expected

@@ -32,7 +32,7 @@ class SampleRow:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature <= 0 or self.params.top_k == 1
+        return self.params.greedy
 
     @property
     def inv_temperature(self) -> float:

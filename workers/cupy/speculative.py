@@ -74,7 +74,7 @@ class Speculator:
             del self._seqs[rid]
         running = len(engine.scheduler.running)
         budget = engine.scheduler.max_step_tokens - sum(n for _, n in scheduled)
-        decoding = [seq.sampling.temperature > 0 for seq, n in scheduled if n == 1]
+        decoding = [not seq.sampling.greedy for seq, n in scheduled if n == 1]
         sampled = 2 * sum(decoding) > len(decoding)  # the gate keeps sampled batches' books apart
         mode = self.gate.drafting(running, sampled) if self.gate is not None else True
         drafts, ks, eligible = {}, [], False

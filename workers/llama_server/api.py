@@ -96,7 +96,7 @@ def sampler_settings(s: SamplingParams) -> dict:
     logits (262k for Gemma 3) into a candidate array and runs the chain penalties, dry, top_n_sigma,
     top_k, typical, top_p, min_p, xtc, temperature, then `dist`. Samplers at their neutral values
     return at once; `dist` takes a softmax (one expf per candidate) over whatever the chain left.
-    - Greedy (temperature <= 0): `top_k 1`. Top-k 1 keeps the first highest logit in one pass
+    - Greedy (`SamplingParams.greedy`: temperature under 1e-5, or top_k 1): `top_k 1`. Top-k 1 keeps the first highest logit in one pass
       (std::partial_sort of one element), so `dist` sees one candidate; temperature 0 with top_k 0
       reaches the same token only after the softmax over the whole vocabulary. Same token, ties
       included (both keep the first maximum). With a grammar the chain runs again after the grammar
@@ -109,7 +109,7 @@ def sampler_settings(s: SamplingParams) -> dict:
     Logprobs come from the raw logits (llama-server's pre-sampling probabilities), so top_k 1 does not
     change them.
     """
-    if s.temperature <= 0.0:
+    if s.greedy:
         return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
     return {"temperature": s.temperature, "top_k": max(0, s.top_k), "top_p": s.top_p, "min_p": s.min_p}
 

@@ -14,12 +14,22 @@ import msgspec
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (SamplingParams.greedy)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     seed: int | None = None  # per-request seed: the same seed and prompt give the same tokens
+
+    @property
+    def greedy(self) -> bool:
+        """The most likely token every time: temperature 0, or below GREEDY_BELOW (the division by the
+        temperature would overflow float32 logits into inf/NaN, and what such a temperature asks for is the
+        argmax; vLLM draws the same line at 1e-5), or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
