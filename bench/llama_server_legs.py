@@ -12,8 +12,16 @@ Pulse's real parts in three processes, without Ray (Ray is the control plane; no
   - `pulse`:   the gateway's /v1/completions (the whole path).
 So native - v1 is llama-server's endpoint and body, channel - native the worker (its HTTP server, the
 backend's client to llama-server, the re-framing), pulse - channel the gateway (parse, admission, routing,
-the SSE relay). Per round the legs run in a rotated order; each leg's TTFT p50 per round, then the median
-(min-max) over rounds, and the per-round differences.
+the SSE relay).
+
+With `--ray`, a fourth process hosts the same parts the way `pulse serve` does (pulse.serve.start_ray,
+start_workers, deploy_gateway: the worker a Ray actor, the gateway a Serve replica, each with its own
+llama-server) and three more legs join the rotation: `ray_v1` (that llama-server's /v1/completions),
+`ray_channel` (the worker actor's /generate) and `ray_pulse` (the replica's /v1/completions). Then
+(ray_pulse - ray_v1) - (pulse - v1) is what hosting in Ray adds, measured in the same slices of time.
+
+Per round the legs run in a rotated order; each leg's TTFT p50 per round, then the median (min-max) over
+rounds, and the per-round differences.
 
     python -m bench.llama_server_legs --rounds 7 --requests 10
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +41,7 @@ import time
 import aiohttp
 
 LEGS = ("v1", "native", "channel", "pulse")
+RAY_LEGS = ("ray_v1", "ray_channel", "ray_pulse")
 
 
 def config_json(log_dir: str, threads: int | None, slots: int | None) -> str:
@@ -78,6 +88,41 @@ async def _serve_gateway(cfg: str, info_json: str, port: int) -> None:
         await runner.cleanup()
 
 
+def _serve_ray(cfg: str, port: int) -> None:
+    """`pulse serve`'s set-up (pulse/serve.py), in this process: the Ray driver."""
+    import ray
+
+    from bench.llama_server_overhead import llama_servers
+    from policy.config import PulseConfig
+    from pulse.serve import (
+        _shutdown,
+        deploy_gateway,
+        start_ray,
+        start_workers,
+        wait_healthy,
+    )
+    from workers.protocol import encode
+
+    out = os.fdopen(os.dup(1), "w")  # the parent reads one line there; Ray's own output goes to stderr
+    os.dup2(2, 1)
+    config = PulseConfig.model_validate_json(cfg)
+    config.server.host, config.server.port = "127.0.0.1", port
+    start_ray(config)
+    actors: list = []
+    try:
+        actors, names = start_workers(config, 0)
+        info = ray.get(actors[0].start.remote())
+        base = deploy_gateway(config, names)
+        if not wait_healthy(base + "/health", 120):
+            raise RuntimeError("the gateway replica did not become healthy")
+        (_, llama_port), = llama_servers(os.getpid())
+        print(json.dumps({"info": json.loads(encode(info)), "llama_url": f"http://127.0.0.1:{llama_port}",
+                          "port": port}), file=out, flush=True)
+        sys.stdin.read()  # until the parent closes it
+    finally:
+        _shutdown(actors)
+
+
 def _child(args: list[str]) -> tuple[subprocess.Popen, dict]:
     p = subprocess.Popen([sys.executable, "-m", "bench.llama_server_legs", *args], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
@@ -121,7 +166,8 @@ async def _ttft_channel(channels, info: dict, body: bytes) -> float:
     return ttft
 
 
-async def measure(args, info: dict, llama_url: str, gateway_url: str) -> dict[str, list[float]]:
+async def measure(args, info: dict, llama_url: str, gateway_url: str,
+                  ray: dict | None = None) -> dict[str, list[float]]:
     from bench.llama_server_overhead import prompt_ids
     from gateway.channel import Channels
     from workers.llama_server import api
@@ -147,22 +193,30 @@ async def measure(args, info: dict, llama_url: str, gateway_url: str) -> dict[st
         if leg == "channel":
             gen.request_id = f"legs-{n}"
             return await _ttft_channel(channels, info, encode(gen))
-        return await _ttft_sse(keep, gateway_url + "/v1/completions", oai)
+        if leg == "pulse":
+            return await _ttft_sse(keep, gateway_url + "/v1/completions", oai)
+        if leg == "ray_v1":
+            return await _ttft_sse(close, ray["llama_url"] + "/v1/completions", oai)
+        if leg == "ray_channel":
+            gen.request_id = f"legs-{n}"
+            return await _ttft_channel(channels, ray["info"], encode(gen))
+        return await _ttft_sse(keep, f"http://127.0.0.1:{ray['port']}/v1/completions", oai)
 
-    per_round: dict[str, list[float]] = {leg: [] for leg in LEGS}
+    legs = LEGS + (RAY_LEGS if ray else ())
+    per_round: dict[str, list[float]] = {leg: [] for leg in legs}
     try:
         for r in range(args.warmup + args.rounds):
-            order = LEGS[r % len(LEGS):] + LEGS[: r % len(LEGS)]
-            got: dict[str, list[float]] = {leg: [] for leg in LEGS}
+            order = legs[r % len(legs):] + legs[: r % len(legs)]
+            got: dict[str, list[float]] = {leg: [] for leg in legs}
             for _ in range(args.requests):  # legs alternate request by request: they share every slice of time
                 for leg in order:
                     got[leg].append(await one(leg) * 1000)
             if r >= args.warmup:
-                for leg in LEGS:
+                for leg in legs:
                     per_round[leg].append(statistics.median(got[leg]))
             if not args.quiet:
                 print(f"round {r}{' (warm-up)' if r < args.warmup else ''}: "
-                      + ", ".join(f"{leg} {statistics.median(got[leg]):.2f}" for leg in LEGS), flush=True)
+                      + ", ".join(f"{leg} {statistics.median(got[leg]):.2f}" for leg in legs), flush=True)
     finally:
         await close.close()
         await keep.close()
@@ -176,7 +230,7 @@ def _fmt(xs: list[float]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.llama_server_legs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=["client", "worker", "gateway"], default="client", help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=["client", "worker", "gateway", "ray"], default="client", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -187,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="llama-server -t")
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the profile's)")
+    ap.add_argument("--ray", action="store_true",
+                    help="also host a worker and gateway in Ray as `pulse serve` does, and measure them beside")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.role == "worker":
@@ -195,6 +251,9 @@ def main(argv=None) -> int:
     if args.role == "gateway":
         asyncio.run(_serve_gateway(args.config, args.info, args.port))
         return 0
+    if args.role == "ray":
+        _serve_ray(args.config, args.port)
+        return 0
 
     from bench.machine import checked_machine_info
     from bench.procs import free_port
@@ -202,29 +261,44 @@ def main(argv=None) -> int:
     checked_machine_info()
     cfg = config_json(tempfile.mkdtemp(prefix="pulse-legs-"), args.threads, args.slots)
     load = os.getloadavg()
-    worker, w = _child(["--role", "worker", "--config", cfg])
-    try:
-        gateway, g = _child(["--role", "gateway", "--config", cfg, "--info", json.dumps(w["info"]),
-                             "--port", str(free_port())])
-        try:
-            per_round = asyncio.run(measure(args, w["info"], w["llama_url"], f"http://127.0.0.1:{g['port']}"))
-        finally:
-            gateway.stdin.close()
-            gateway.wait(30)
-    finally:
-        worker.stdin.close()
-        worker.wait(60)
+    with contextlib.ExitStack() as stack:
+        def child(role_args: list[str], wait_s: float) -> dict:
+            proc, said = _child(role_args)
+            stack.callback(proc.wait, wait_s)
+            stack.callback(proc.stdin.close)
+            return said
+
+        w = child(["--role", "worker", "--config", cfg], 60)
+        g = child(["--role", "gateway", "--config", cfg, "--info", json.dumps(w["info"]), "--port", str(free_port())],
+                  30)
+        ray = child(["--role", "ray", "--config", cfg, "--port", str(free_port())], 90) if args.ray else None
+        per_round = asyncio.run(measure(args, w["info"], w["llama_url"], f"http://127.0.0.1:{g['port']}", ray))
     print(f"load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f}; {args.rounds} rounds x "
           f"{args.requests} requests per leg, {args.tokens} tokens, {args.prompt_tokens}-token cached prompt")
     print("TTFT p50 ms, median (min .. max) over rounds:")
-    for leg in LEGS:
+    for leg in per_round:
         xs = per_round[leg]
         print(f"  {leg:8s} {statistics.median(xs):8.2f} ({min(xs):.2f} .. {max(xs):.2f})")
     print("added, per round:")
     for a, b, what in (("native", "v1", "llama-server endpoint and body"), ("channel", "native", "worker hop"),
                        ("pulse", "channel", "gateway"), ("pulse", "v1", "all of Pulse")):
-        print(f"  {a} - {b:8s} {_fmt([x - y for x, y in zip(per_round[a], per_round[b])])} ms  ({what})")
+        print(f"  {a} - {b:8s} {_fmt(_minus(per_round, a, b))} ms  ({what})")
+    if args.ray:
+        for a, b, what in (("ray_channel", "ray_v1", "worker hop, in Ray"),
+                           ("ray_pulse", "ray_channel", "gateway, in Ray"),
+                           ("ray_pulse", "ray_v1", "all of Pulse, in Ray")):
+            print(f"  {a} - {b:8s} {_fmt(_minus(per_round, a, b))} ms  ({what})")
+        print("what hosting in Ray adds, per round:")
+        for leg, ray_leg, ref, ray_ref in (("channel", "ray_channel", "v1", "ray_v1"),
+                                           ("pulse", "ray_pulse", "v1", "ray_v1")):
+            xs = [(rx - rr) - (x - r) for rx, rr, x, r in
+                  zip(per_round[ray_leg], per_round[ray_ref], per_round[leg], per_round[ref])]
+            print(f"  ({ray_leg} - {ray_ref}) - ({leg} - {ref}) {_fmt(xs)} ms")
     return 0
+
+
+def _minus(per_round: dict[str, list[float]], a: str, b: str) -> list[float]:
+    return [x - y for x, y in zip(per_round[a], per_round[b])]
 
 
 if __name__ == "__main__":

@@ -94,11 +94,44 @@ def wait_healthy(url: str, timeout_s: float) -> bool:
     return False
 
 
-def serve_main(config: PulseConfig) -> int:
+def start_ray(config: PulseConfig) -> None:
+    """Start the local Ray instance (or join `server.ray_address`)."""
     import ray
+
+    # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
+    # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance
+    ray.init(address=config.server.ray_address or "local", include_dashboard=config.server.ray_dashboard,
+             namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=False)
+
+
+def deploy_gateway(config: PulseConfig, names: list[str]) -> str:
+    """Deploy the gateway's replicas (Serve's proxy disabled: each serves the port itself) in front of the
+    named worker actors; returns the base URL clients reach them at."""
     from ray import serve
 
     from gateway.ingress import GatewayIngress
+
+    serve.start(proxy_location="Disabled")
+    replicas = config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (ingress)
+    actor_options: dict = {"num_cpus": 0}
+    if config.server.ray_address is not None:
+        # in a cluster the gateway stays on the head node, where clients find it
+        actor_options["resources"] = {"node:__internal_head__": 0.001}
+    if replicas > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # one /metrics for the node: every replica writes its series where any replica's scrape sums them
+        metrics_dir = tempfile.mkdtemp(prefix="pulse-metrics-")
+        atexit.register(shutil.rmtree, metrics_dir, True)
+        actor_options["runtime_env"] = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}}
+    app = GatewayIngress.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
+        config.model_dump_json(), names)
+    serve.run(app, name="pulse", route_prefix=None, blocking=False)
+    host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
+    return f"http://{host}:{config.server.port}"
+
+
+def serve_main(config: PulseConfig) -> int:
+    import ray
+
     from workers.protocol.model import load_model_info, load_tokenizer
 
     for model in config.models:
@@ -114,10 +147,7 @@ def serve_main(config: PulseConfig) -> int:
                 print(f"pulse: model {model.name}: {e}", file=sys.stderr, flush=True)
                 return 2
 
-    # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
-    # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance
-    ray.init(address=config.server.ray_address or "local", include_dashboard=config.server.ray_dashboard,
-             namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=False)
+    start_ray(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
@@ -128,22 +158,7 @@ def serve_main(config: PulseConfig) -> int:
         infos = ray.get([a.start.remote() for a in actors])
         for info in infos:
             print(f"pulse: worker {info.worker_id} ready ({info.model}: {info.backend} on {info.device})", flush=True)
-        serve.start(proxy_location="Disabled")
-        replicas = config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (ingress)
-        actor_options: dict = {"num_cpus": 0}
-        if config.server.ray_address is not None:
-            # in a cluster the gateway stays on the head node, where clients find it
-            actor_options["resources"] = {"node:__internal_head__": 0.001}
-        if replicas > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            # one /metrics for the node: every replica writes its series where any replica's scrape sums them
-            metrics_dir = tempfile.mkdtemp(prefix="pulse-metrics-")
-            atexit.register(shutil.rmtree, metrics_dir, True)
-            actor_options["runtime_env"] = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}}
-        app = GatewayIngress.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
-            config.model_dump_json(), names)
-        serve.run(app, name="pulse", route_prefix=None, blocking=False)
-        host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
-        base = f"http://{host}:{config.server.port}"
+        base = deploy_gateway(config, names)
         if not wait_healthy(base + "/health", 120):
             print("pulse: the gateway did not become healthy within 120 s", flush=True)
             return 1
