@@ -185,6 +185,8 @@ class CompletionService:
                 top_k=req.top_k or 0,
                 min_p=req.min_p or 0.0,
                 seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
             ),
             stop=stop_list(req.stop),
             ignore_eos=req.ignore_eos,

@@ -122,9 +122,6 @@ def validate_common(req: _Common, *, max_stop_strings: int, max_stop_length: int
     _range("min_p", req.min_p, 0.0, 1.0)
     _range("presence_penalty", req.presence_penalty, -2.0, 2.0)
     _range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_param(name, f"`{name}` other than 0 is not supported by this server", code="unsupported_parameter")
     if req.top_k is not None and req.top_k < 0:
         raise bad_param("top_k", f"`top_k` must be >= 0; got {req.top_k}")
     if req.max_tokens is not None and req.max_tokens < 1:

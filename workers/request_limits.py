@@ -9,6 +9,7 @@ prediction longer than any context), so a bug or a forged request cannot get pas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from workers.protocol import GenerateRequest
@@ -17,6 +18,9 @@ MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_BYTES = 256 * 1024  # the gateway refuses schemas above 64 KiB; room for the tool-call wrapper
 MAX_ID_BYTES = 11  # one token id in JSON, with its comma
+# OpenAI's ranges (the gateway's too): (field, low, high, low excluded)
+SAMPLING_RANGES = (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False),
+                   ("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False))
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class RequestLimits:
         return ids + 6 * MAX_GRAMMAR_BYTES + stops + 64 * 1024
 
     def problem(self, req: GenerateRequest) -> str | None:
-        for check in (self._sizes, self._stops, self._ids):
+        for check in (self._sizes, self._stops, self._ids, self._sampling):
             reason = check(req)
             if reason:
                 return reason
@@ -74,4 +78,15 @@ class RequestLimits:
                           ("stop_token_ids", req.stop_token_ids), ("resume_ids", req.resume_ids)):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
                 return f"{name} holds a token id outside [0, {vocab})"
+        return None
+
+    @staticmethod
+    def _sampling(req: GenerateRequest) -> str | None:
+        s = req.sampling
+        for name, lo, hi, lo_open in SAMPLING_RANGES:
+            v = getattr(s, name)
+            if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
+                return f"sampling.{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]; got {v}"
+        if s.top_k < 0:
+            return f"sampling.top_k must be >= 0; got {s.top_k}"
         return None

@@ -92,6 +92,18 @@ async def test_greedy_output_repeats(backend):
     assert a == b
 
 
+async def test_frequency_and_presence_penalties_steer_away_from_repeats(backend):
+    # unpenalized greedy repeats "the cat"; a frequency penalty (each backend by its own definition: Pulse's
+    # engine counts the output, llama-server the last 64 tokens of prompt and output) must stop that
+    prompt, n = "the cat the cat the cat the cat the cat the cat the cat the cat", 16
+    plain = [t for c in await collect(backend, req("p0", prompt, max_tokens=n)) for t in c.token_ids]
+    penalized = GenerateRequest(request_id="p1", prompt_ids=encode(prompt), max_tokens=n, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0))
+    tokens = [t for c in await collect(backend, penalized) for t in c.token_ids]
+    assert len(tokens) == n and tokens != plain
+    assert max(map(tokens.count, tokens)) < max(map(plain.count, plain)), (plain, tokens)
+
+
 async def test_stop_strings_are_honoured_and_not_returned(backend):
     full = "".join(c.text for c in await collect(backend, req("s0", max_tokens=24)))
     stop = full[len(full) // 2 : len(full) // 2 + 3]

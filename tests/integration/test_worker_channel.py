@@ -79,6 +79,12 @@ async def test_the_pool_streams_with_the_secret_from_worker_info(worker):
     ({"prediction_ids": [1000]}, "prediction_ids holds"),
     ({"grammar": "x" * (256 * 1024 + 1)}, "grammar"),
     ({"max_draft_tokens": -1}, "max_draft_tokens"),
+    ({"sampling": {"temperature": 3.0}}, "sampling.temperature"),
+    ({"sampling": {"top_p": 0.0}}, "sampling.top_p"),
+    ({"sampling": {"min_p": 1.5}}, "sampling.min_p"),
+    ({"sampling": {"frequency_penalty": -2.5}}, "sampling.frequency_penalty"),
+    ({"sampling": {"presence_penalty": 1e9}}, "sampling.presence_penalty"),
+    ({"sampling": {"top_k": -1}}, "sampling.top_k"),
 ])
 async def test_worker_refuses_out_of_bounds(worker, fields, reason):
     srv, url, http = worker

@@ -154,27 +154,33 @@ class Engine:
         """Sample one token for each of `seqs` (their rows of `logits`, or `logits[index]`) and append it.
         `rows`: their sample rows when the step already built them (sample_rows of them, now)."""
         rows = rows if rows is not None else self.sample_rows(seqs)
-        tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index)
+        tokens, logprobs = self.choose(logits, rows, [s.request_id for s in seqs], index, seqs=seqs)
         outputs = []
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
             self.append_token(seq, token)
             outputs.append(self.output_for(seq, [token], lp))
         return outputs
 
-    def choose(self, logits, rows: list[SampleRow], ids: list[str], index=None, drafts=None):
-        """The sampler's tokens and logprobs for `rows` (request `ids`, one per row), grammar masks applied
-        first (`drafts`: {request id: draft} when rows are speculative verify positions); the constrained
-        rows' matchers advance unless drafts are given (verification advances them by what it keeps)."""
+    def choose(self, logits, rows: list[SampleRow], ids: list[str], index=None, drafts=None, seqs=None):
+        """The sampler's tokens and logprobs for `rows` (request `ids`, one per row), penalties (`seqs`: the
+        rows' sequences, for their output so far) and grammar masks applied first (`drafts`: {request id:
+        draft} when rows are speculative verify positions; a penalized sequence never drafts); the
+        constrained rows' matchers advance unless drafts are given (verification advances them by what it
+        keeps)."""
         constrained = self.constraints is not None and any(i in self.constraints for i in ids)
-        if not constrained:
+        penalized = seqs is not None and any(r.params.penalized for r in rows)
+        if not constrained and not penalized:
             return self.sampler.sample(logits, rows, index)
         if index is not None:
             logits = logits[self.sampler.xp.asarray(np.asarray(index))]
         masked = logits.copy()  # logprobs report the model's own distribution, not the masked one
-        masked = (self.constraints.apply(masked, ids) if drafts is None
-                  else self.constraints.apply_drafts(masked, ids, drafts))
+        if penalized:
+            apply_penalties(self.sampler.xp, masked, seqs)
+        if constrained:
+            masked = (self.constraints.apply(masked, ids) if drafts is None
+                      else self.constraints.apply_drafts(masked, ids, drafts))
         tokens = self.sampler.choose(self.sampler.mask_truncated(masked, rows), rows)
-        if drafts is None:
+        if constrained and drafts is None:
             self.constraints.advance(ids, tokens.tolist())
         return tokens, self.sampler._logprobs(logits, tokens, rows)
 
@@ -228,3 +234,22 @@ def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, 
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     return Engine(model, kv, blocks, scheduler, Sampler(xp), info.eos_token_ids, context_length,
                   info.vocab_size, seed)
+
+
+def apply_penalties(xp, logits, seqs: list[Sequence]) -> None:
+    """OpenAI's presence and frequency penalties on `logits` (one row per sequence of `seqs`), in place:
+    each token the sequence has generated so far (a migrated generation's resumed tokens included, the
+    prompt not) loses frequency_penalty x its count, and presence_penalty once. One scattered subtraction
+    for the whole batch; rows without penalties are untouched."""
+    rows, tokens, amounts = [], [], []
+    for i, seq in enumerate(seqs):
+        p = seq.sampling
+        if not p.penalized or not seq.num_output:
+            continue
+        ids, counts = np.unique(np.asarray(seq.token_ids[seq.num_prompt_tokens:], np.int64), return_counts=True)
+        rows.append(np.full(ids.size, i, np.int64))
+        tokens.append(ids)
+        amounts.append(counts * p.frequency_penalty + p.presence_penalty)
+    if rows:
+        r, t = xp.asarray(np.concatenate(rows)), xp.asarray(np.concatenate(tokens))
+        logits[r, t] -= xp.asarray(np.concatenate(amounts).astype(logits.dtype))  # (row, token) pairs are unique

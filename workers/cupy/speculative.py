@@ -65,7 +65,10 @@ class Speculator:
     def attach(self, seq: Sequence, request) -> None:
         workload = SCHEMA if request.grammar is not None else TEXT
         drafter = Drafter(request.prediction_ids, seq.num_prompt_tokens)
-        self._seqs[seq.request_id] = _SeqSpec(drafter, request.max_draft_tokens, workload, Acceptance())
+        # a penalized sequence never drafts: its logits change with every token it emits, which the verify
+        # rows (all computed in one step) would not see
+        cap = 0 if request.sampling.penalized else request.max_draft_tokens
+        self._seqs[seq.request_id] = _SeqSpec(drafter, cap, workload, Acceptance())
 
     # --- drafting ----------------------------------------------------------------------------------
     def propose(self, engine, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[int]]:

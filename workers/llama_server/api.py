@@ -108,10 +108,16 @@ def sampler_settings(s: SamplingParams) -> dict:
       so they are not sent (min_p in particular must always be sent: its default is 0.05, not 0).
     Logprobs come from the raw logits (llama-server's pre-sampling probabilities), so top_k 1 does not
     change them.
+    - Presence / frequency penalties, when set, go as given: llama.cpp's penalty sampler comes first in the
+      chain (so greedy's top_k 1 picks among penalized logits), but it counts the last `repeat_last_n` (64)
+      tokens of the prompt and the output together, where OpenAI (and Pulse's engine) count the whole output
+      and no prompt. That is llama-server's own definition, the one a user calling it directly gets.
     """
+    penalties = ({"presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty}
+                 if s.penalized else {})
     if s.greedy:
-        return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
-    return {"temperature": s.temperature, "top_k": max(0, s.top_k), "top_p": s.top_p, "min_p": s.min_p}
+        return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, **penalties}
+    return {"temperature": s.temperature, "top_k": max(0, s.top_k), "top_p": s.top_p, "min_p": s.min_p, **penalties}
 
 
 def _schema(grammar: str) -> dict:

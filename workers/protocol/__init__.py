@@ -23,6 +23,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     seed: int | None = None  # per-request seed: the same seed and prompt give the same tokens
+    # OpenAI's penalties: a token's logit less frequency_penalty x its count in the output so far, less
+    # presence_penalty once it has appeared there (the prompt does not count)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
