@@ -173,30 +173,6 @@ class Constraints:
         m = self._matchers.get(request_id)
         return len(draft_ids) if m is None else allowed_prefix(m, draft_ids)
 
-
-    def apply_drafts(self, logits, request_ids: list[str], drafts: dict[str, list[int]]):
-        """Like `apply` for a verification step: each row of `request_ids` is one position, and a request
-        with draft tokens has 1 + len(draft) consecutive rows; the row after draft token i is masked by the
-        grammar's state after consuming tokens 1..i. Drafts must already be cut (`cut_drafts`); the
-        matchers are rolled back to where they were."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
-        if not rows:
-            return logits
-        bitmask = np.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, np.int32)
-        j = 0
-        while j < len(rows):
-            rid = request_ids[rows[j]]
-            m, draft = self._matchers[rid], drafts.get(rid, [])
-            for pos in range(len(draft) + 1):
-                v = bitmask[j + pos]
-                m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
-                if pos < len(draft):
-                    m.consume_token(int(draft[pos]))
-            m.rollback(len(draft))
-            j += len(draft) + 1
-        return apply_bitmask(self.xp, logits, rows, bitmask)
-
-
     def verify_bitmasks(self, request_id: str, draft_ids: list[int]) -> np.ndarray:
         """For verifying drafts: the packed mask at each position (before draft 1, after draft 1, ...) for
         the drafts the grammar allows, shape (allowed + 1, words); apply them to the verify rows'
