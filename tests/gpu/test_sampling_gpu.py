@@ -128,3 +128,39 @@ def test_real_model_seeded_sampling_is_batch_and_speculation_invariant_on_gpu(re
     assert with_lp[0] == alone[0] and [e.token_id for e in lps[0]] == alone[0]
     assert all(-30 < e.logprob <= 1e-4 for e in lps[0])
     assert not eager
+
+
+def test_real_model_penalties_on_gpu_take_the_penalized_argmax(real):  # noqa: F811
+    """Presence/frequency penalties on the device's logits (engine.apply_penalties with CuPy): each greedy
+    token is the argmax of the top-20 logprobs less the penalties of the output so far, the penalty changed
+    some choices, and an unpenalized sequence in the same batch keeps its greedy tokens."""
+    from collections import Counter
+
+    from tests.gpu.test_speculation_gpu import _spec_engine
+    from tests.integration.test_penalties import PENALIZED, PROMPT
+
+    info, _, tok = real
+    ids = [info.bos_token_id] + tok.encode(PROMPT).ids
+    plain, _, _ = _run(_spec_engine(real, 4), [ids], SamplingParams(temperature=0.0))
+    eng = _spec_engine(real, 4)
+    eng.add(GenerateRequest(request_id="p", prompt_ids=ids, max_tokens=24, ignore_eos=True, sampling=PENALIZED,
+                            logprobs=20))
+    eng.add(GenerateRequest(request_id="u", prompt_ids=ids, max_tokens=24, ignore_eos=True,
+                            sampling=SamplingParams(temperature=0.0), max_draft_tokens=0))
+    toks, entries, got = [], [], []
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == "u":
+                got += o.token_ids
+                continue
+            toks += o.token_ids
+            entries += o.logprobs
+    assert got == plain[0]  # the unpenalized row beside it
+    counts, changed = Counter(), 0
+    for t, entry in zip(toks, entries):
+        score = {i: lp - counts[i] * PENALIZED.frequency_penalty - (counts[i] > 0) * PENALIZED.presence_penalty
+                 for i, lp in entry.top}
+        assert t in score and score[t] >= max(score.values()) - 2e-2, (t, score)  # fp16 logits
+        changed += t != entry.top[0][0]
+        counts[t] += 1
+    assert len(toks) == 24 and changed > 0
