@@ -164,3 +164,20 @@ def test_real_model_penalties_on_gpu_take_the_penalized_argmax(real):  # noqa: F
         changed += t != entry.top[0][0]
         counts[t] += 1
     assert len(toks) == 24 and changed > 0
+
+
+def test_graphs_captured_at_start_are_the_ones_decode_uses(real):  # noqa: F811
+    """capture_graphs (what build_engine calls before a worker is ready) builds the decode and verify graphs;
+    the first request's steps then run on them (no capture in its step) and give the lazily-captured tokens."""
+    from tests.gpu.test_speculation_gpu import _spec_engine
+
+    info, _, tok = real
+    prompts = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS[:3]]
+    lazy, _, _ = _run(_spec_engine(real, 4), prompts, SamplingParams(temperature=0.0))
+    eng = _spec_engine(real, 4)
+    eng.model.capture_graphs(eng.kv, 8, verify=True)
+    decode, verify = eng.model._graphs, eng.model._verify
+    assert decode is not None and verify is not None and decode.graphs
+    early, _, _ = _run(eng, prompts, SamplingParams(temperature=0.0))
+    assert early == lazy
+    assert eng.model._graphs is decode and eng.model._verify is verify

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -80,6 +81,10 @@ def build_engine(config, profile, info, block_sink: BlockSink | None = None):
         from workers.cupy.speculative import Speculator
 
         engine.speculator = Speculator(profile, gate=profile.speculation_gate)
+    if hasattr(engine.model, "capture_graphs"):  # the GPU engine (not pipeline stages): graphs before "ready"
+        t0 = time.perf_counter()
+        engine.model.capture_graphs(engine.kv, sizes["block_size"], verify=engine.speculator is not None)
+        log.info("engine graphs captured in %.1f s", time.perf_counter() - t0)
     return engine
 
 

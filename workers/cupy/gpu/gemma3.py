@@ -266,6 +266,15 @@ class GpuGemma3:
         self.last_chosen = ws.chosen
         return ws.logits
 
+    def capture_graphs(self, kv: KVStorage, block_size: int, verify: bool) -> None:
+        """Capture the decode graphs (every size) and, with `verify`, speculation's verify graphs now: a
+        worker does this at start, before it reports ready, so that the first request's step does not
+        capture them all (seconds on the H200 at the h200 profile's 256-sequence batch)."""
+        if self.graph_sizes:
+            self._decode_graphs(kv, block_size)
+        if verify and self.verify_sizes:
+            self._verify_graphs(kv, block_size)
+
     def _verify_graphs(self, kv: KVStorage, block_size: int):
         from workers.cupy.gpu.verify import VerifyGraphs
 
