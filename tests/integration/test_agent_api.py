@@ -165,6 +165,15 @@ def test_completion_logprobs(client):
     assert all(len(t) <= 2 and t for t in lp.top_logprobs)  # two alternatives (they can share a text)
 
 
+def test_penalties_reach_the_backend(client):
+    # greedy repeats "the cat"; with OpenAI's penalties the same request must not (both backends honour them)
+    prompt = "the cat the cat the cat the cat the cat the cat the cat the cat"
+    plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12).choices[0].text
+    steered = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                        frequency_penalty=2.0, presence_penalty=1.0).choices[0].text
+    assert steered != plain and plain.count("cat") > steered.count("cat"), (plain, steered)
+
+
 def test_tool_results_are_accepted_back(client):
     call = forced(client, {"type": "function", "function": {"name": "get_weather"}}).choices[0].message.tool_calls[0]
     messages = ASK + [
