@@ -14,7 +14,7 @@ import socket
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles, select_profile
 from workers.blocklog import BlockLog
-from workers.protocol import BackendStats, BlockEvent, WorkerInfo
+from workers.protocol import BackendStats, WorkerInfo
 from workers.protocol.model import load_model_info
 from workers.registry import backend_class
 from workers.request_limits import RequestLimits

@@ -11,7 +11,6 @@ Pure bookkeeping plus `os.unlink`: the HTTP calls that write and read the files 
 from __future__ import annotations
 
 import logging
-import os
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
