@@ -13,14 +13,15 @@ from workers.cupy.sequence import Sequence
 BS = 4
 
 
-def layout(rng: random.Random, two_pools: bool):
+def layout(rng: random.Random, two_pools: bool, decode: bool = False):
+    """A random step; `decode`: a pure decode step (one token a sequence, no drafts: build_batch's fast path)."""
     scheduled, drafts = [], {}
     for b in range(rng.randint(1, 9)):
         length = rng.randint(1, 60)
-        done = rng.randint(0, length - 1)
+        done = length - 1 if decode else rng.randint(0, length - 1)
         n = rng.randint(1, length - done)
         draft = []
-        if done + n == length and rng.random() < 0.4:
+        if done + n == length and rng.random() < 0.4 and not decode:
             draft = [rng.randint(0, 999) for _ in range(rng.randint(1, 4))]
             drafts[b] = draft
         seq = Sequence(request_id=str(b), token_ids=[rng.randint(0, 999) for _ in range(length)], max_tokens=8)
@@ -53,11 +54,12 @@ def reference(scheduled, drafts):
     return tokens, positions, slots, local_slots, rows, sample
 
 
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("two_pools", [False, True])
-def test_build_batch_matches_the_per_token_reference(two_pools):
-    rng = random.Random(11 + two_pools)
+def test_build_batch_matches_the_per_token_reference(two_pools, decode):
+    rng = random.Random(11 + two_pools + 2 * decode)
     for _ in range(400):
-        scheduled, drafts = layout(rng, two_pools)
+        scheduled, drafts = layout(rng, two_pools, decode)
         batch = build_batch(scheduled, BS, np, drafts)
         tokens, positions, slots, local_slots, rows, sample = reference(scheduled, drafts)
         assert batch.token_ids.tolist() == tokens and batch.token_ids.dtype == np.int32
