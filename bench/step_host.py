@@ -1,0 +1,95 @@
+"""The engine step's host-side batch building (workers/cupy/batch.build_batch), timed alone: the part of a GPU
+decode step the device never sees, so its microseconds add straight to every step at high batch.
+
+    python -m bench.step_host --batches 64 256 --context 200 --repeats 5
+    git show REV:workers/cupy/batch.py > /tmp/batch_rev.py
+    python -m bench.step_host --baseline /tmp/batch_rev.py    # another version beside it, interleaved
+
+Decode steps of B sequences (one new token each, `--context` tokens known, block size 16), with one KV pool
+and with two (Gemma 3's sliding-window layers: a second block table per sequence, its early blocks slid out).
+Prints, per batch and layout, the median (min–max over --repeats) of microseconds per call, each repeat the
+mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from bench.machine import describe, machine_info
+from workers.cupy.batch import build_batch
+from workers.cupy.sequence import Sequence
+from workers.protocol import SamplingParams
+
+BLOCK = 16
+
+
+def decode_step(batch: int, context: int, two_pools: bool) -> list[tuple[Sequence, int]]:
+    blocks = -(-(context + 1) // BLOCK)
+    out = []
+    for i in range(batch):
+        seq = Sequence(request_id=str(i), token_ids=list(range(context)), max_tokens=128, sampling=SamplingParams())
+        seq.num_computed = context - 1
+        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+        if two_pools:
+            seq.local_table = [-1] * max(0, blocks - 4) + list(range(i * 4, i * 4 + min(4, blocks)))
+        out.append((seq, 1))
+    return out
+
+
+def per_call_us(build, scheduled, calls: int) -> float:
+    for _ in range(max(10, calls // 10)):
+        build(scheduled, BLOCK, np)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        build(scheduled, BLOCK, np)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def load_baseline(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batch_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.build_batch
+
+
+def cell(runs: list[float]) -> str:
+    runs = sorted(runs)
+    return f"{runs[len(runs) // 2]:.0f} ({runs[0]:.0f}–{runs[-1]:.0f})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--baseline", help="another batch.py (e.g. from `git show REV:workers/cupy/batch.py`), "
+                    "timed beside this one, repeat by repeat")
+    args = ap.parse_args(argv)
+    builds = {"this tree": build_batch} | ({"baseline": load_baseline(args.baseline)} if args.baseline else {})
+    print(describe(machine_info()))
+    print("| batch | KV pools | " + " | ".join(f"{name}: build_batch us/call, median (min–max)" for name in builds)
+          + (" | this / baseline |" if args.baseline else " |"))
+    print("|" + " --- |" * (2 + len(builds) + bool(args.baseline)))
+    for batch in args.batches:
+        for two in (False, True):
+            step = decode_step(batch, args.context, two)
+            runs: dict[str, list[float]] = {name: [] for name in builds}
+            for _ in range(args.repeats):  # interleaved: the box's load moves both alike
+                for name, build in builds.items():
+                    runs[name].append(per_call_us(build, step, args.calls))
+            row = f"| {batch} | {'two' if two else 'one'} | " + " | ".join(cell(r) for r in runs.values())
+            if args.baseline:
+                row += f" | {np.median(runs['this tree']) / np.median(runs['baseline']):.2f}"
+            print(row + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
