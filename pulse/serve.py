@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 from policy.config import PulseConfig
+from workers.ray_env import serving_runtime_env
 
 log = logging.getLogger("pulse.serve")
 NAMESPACE = "pulse"
@@ -77,7 +78,8 @@ def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> t
             names.append(name)
             actors.append(cls.options(name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=share,
                                       resources=dict(config.workers.resources), max_restarts=config.workers.restart_max,
-                                      max_concurrency=10_000, get_if_exists=reuse).remote(cfg_json, name, bind))
+                                      max_concurrency=10_000, get_if_exists=reuse,
+                                      runtime_env=serving_runtime_env()).remote(cfg_json, name, bind))
     return actors, names
 
 
@@ -113,7 +115,7 @@ def deploy_gateway(config: PulseConfig, names: list[str]) -> str:
 
     serve.start(proxy_location="Disabled")
     replicas = config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (ingress)
-    actor_options: dict = {"num_cpus": 0}
+    actor_options: dict = {"num_cpus": 0, "runtime_env": serving_runtime_env()}
     if config.server.ray_address is not None:
         # in a cluster the gateway stays on the head node, where clients find it
         actor_options["resources"] = {"node:__internal_head__": 0.001}
@@ -121,7 +123,7 @@ def deploy_gateway(config: PulseConfig, names: list[str]) -> str:
         # one /metrics for the node: every replica writes its series where any replica's scrape sums them
         metrics_dir = tempfile.mkdtemp(prefix="pulse-metrics-")
         atexit.register(shutil.rmtree, metrics_dir, True)
-        actor_options["runtime_env"] = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}}
+        actor_options["runtime_env"] = serving_runtime_env({"PROMETHEUS_MULTIPROC_DIR": metrics_dir})
     app = GatewayIngress.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
         config.model_dump_json(), names)
     serve.run(app, name="pulse", route_prefix=None, blocking=False)

@@ -17,6 +17,7 @@ from policy.config import PulseConfig
 from pulse.config import load_config
 from pulse.serve import gateway_replicas, start_workers
 from workers.protocol import WorkerInfo
+from workers.ray_env import serving_runtime_env
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, health_check_period_s=10)
@@ -47,7 +48,7 @@ def build_app(config: PulseConfig):
     config.server.gateway_replicas = gateway_replicas(config)  # the replicas read it (gateway/ingress.py)
     cfg = config.model_dump_json()
     # the gateway stays on the head node, where clients (and KubeRay's gateway Service) find it
-    head = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    head = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}, "runtime_env": serving_runtime_env()}
     return GatewayIngress.options(num_replicas=gateway_replicas(config), ray_actor_options=head).bind(
         cfg, None, WorkerSupervisor.bind(cfg))
 

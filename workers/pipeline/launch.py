@@ -25,11 +25,13 @@ class RayStages:
         import ray
 
         from workers.pipeline.stage import StageActor
+        from workers.ray_env import serving_runtime_env
 
         # max_task_retries: a call that reached a stage as it died runs again on the restarted one (every
         # method the driver calls is safe to repeat)
         self.actors = [ray.remote(StageActor).options(num_cpus=0, num_gpus=g, resources=dict(resources or {}),
-                                                      max_restarts=STAGE_RESTARTS, max_task_retries=2)
+                                                      max_restarts=STAGE_RESTARTS, max_task_retries=2,
+                                                      runtime_env=serving_runtime_env())
                        .remote(**spec) for spec, g in zip(specs, gpus)]
         self.addresses = ray.get([a.address.remote() for a in self.actors])
 

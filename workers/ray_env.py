@@ -1,0 +1,19 @@
+"""The runtime_env of Pulse's Ray actors on the serving path (worker actors, gateway replicas, pipeline stages).
+
+Ray starts its worker processes at nice 15 (its config `worker_niceness`, which each core worker reads from
+RAY_worker_niceness when it starts), so that batch tasks yield the CPU to Ray's own daemons. Pulse's actors are
+the serving path: the gateway replica's event loop, the worker's stream server, and the llama-server or engine
+process a worker starts, which inherits its niceness. At nice 15 a process gets ~1/28 of the CPU share of a
+nice-0 one, so on a busy box every hop of a request waits behind whatever else runs: on the 2-core box, beside
+two busy loops, a gateway replica took minutes to start. Ray's own job supervisor opts out the same way
+(ray/dashboard/modules/job/job_manager.py). Setting the variable for the actor, not in ray.init's system
+config, works on a cluster that Pulse joins too, and needs no privilege (nothing is ever re-niced down).
+"""
+from __future__ import annotations
+
+SERVING_ENV = {"RAY_worker_niceness": "0"}
+
+
+def serving_runtime_env(env_vars: dict | None = None) -> dict:
+    """A runtime_env that starts the actor at nice 0 (SERVING_ENV), with `env_vars` added."""
+    return {"env_vars": {**SERVING_ENV, **(env_vars or {})}}
