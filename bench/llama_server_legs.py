@@ -19,6 +19,8 @@ start_workers, deploy_gateway: the worker a Ray actor, the gateway a Serve repli
 llama-server) and three more legs join the rotation: `ray_v1` (that llama-server's /v1/completions),
 `ray_channel` (the worker actor's /generate) and `ray_pulse` (the replica's /v1/completions). Then
 (ray_pulse - ray_v1) - (pulse - v1) is what hosting in Ray adds, measured in the same slices of time.
+`--ray-niceness 15` hosts one more such set-up whose actors start at that niceness (RAY_worker_niceness; 15
+is Ray's own default, which `pulse serve` overrides: workers/ray_env.py), with legs `ray15_v1` and so on.
 
 Per round the legs run in a rotated order; each leg's TTFT p50 per round, then the median (min-max) over
 rounds, and the per-round differences.
@@ -41,7 +43,10 @@ import time
 import aiohttp
 
 LEGS = ("v1", "native", "channel", "pulse")
-RAY_LEGS = ("ray_v1", "ray_channel", "ray_pulse")
+
+
+def ray_legs(label: str) -> tuple[str, str, str]:
+    return (f"{label}_v1", f"{label}_channel", f"{label}_pulse")
 
 
 def config_json(log_dir: str, threads: int | None, slots: int | None) -> str:
@@ -88,9 +93,15 @@ async def _serve_gateway(cfg: str, info_json: str, port: int) -> None:
         await runner.cleanup()
 
 
-def _serve_ray(cfg: str, port: int) -> None:
-    """`pulse serve`'s set-up (pulse/serve.py), in this process: the Ray driver."""
+def _serve_ray(cfg: str, port: int, niceness: int | None = None) -> None:
+    """`pulse serve`'s set-up (pulse/serve.py), in this process: the Ray driver. `niceness`: start the actors
+    at this niceness instead of the serving path's."""
     import ray
+
+    from workers import ray_env
+
+    if niceness is not None:
+        ray_env.SERVING_ENV = {"RAY_worker_niceness": str(niceness)}
 
     from bench.llama_server_overhead import llama_servers
     from policy.config import PulseConfig
@@ -167,7 +178,7 @@ async def _ttft_channel(channels, info: dict, body: bytes) -> float:
 
 
 async def measure(args, info: dict, llama_url: str, gateway_url: str,
-                  ray: dict | None = None) -> dict[str, list[float]]:
+                  hosts: dict[str, dict] | None = None) -> dict[str, list[float]]:
     from bench.llama_server_overhead import prompt_ids
     from gateway.channel import Channels
     from workers.llama_server import api
@@ -195,14 +206,16 @@ async def measure(args, info: dict, llama_url: str, gateway_url: str,
             return await _ttft_channel(channels, info, encode(gen))
         if leg == "pulse":
             return await _ttft_sse(keep, gateway_url + "/v1/completions", oai)
-        if leg == "ray_v1":
-            return await _ttft_sse(close, ray["llama_url"] + "/v1/completions", oai)
-        if leg == "ray_channel":
+        label, part = leg.rsplit("_", 1)
+        host = hosts[label]
+        if part == "v1":
+            return await _ttft_sse(close, host["llama_url"] + "/v1/completions", oai)
+        if part == "channel":
             gen.request_id = f"legs-{n}"
-            return await _ttft_channel(channels, ray["info"], encode(gen))
-        return await _ttft_sse(keep, f"http://127.0.0.1:{ray['port']}/v1/completions", oai)
+            return await _ttft_channel(channels, host["info"], encode(gen))
+        return await _ttft_sse(keep, f"http://127.0.0.1:{host['port']}/v1/completions", oai)
 
-    legs = LEGS + (RAY_LEGS if ray else ())
+    legs = LEGS + tuple(leg for label in (hosts or {}) for leg in ray_legs(label))
     per_round: dict[str, list[float]] = {leg: [] for leg in legs}
     try:
         for r in range(args.warmup + args.rounds):
@@ -234,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--niceness", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--requests", type=int, default=10, help="requests per leg per round")
@@ -243,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the profile's)")
     ap.add_argument("--ray", action="store_true",
                     help="also host a worker and gateway in Ray as `pulse serve` does, and measure them beside")
+    ap.add_argument("--ray-niceness", type=int, nargs="*", default=[],
+                    help="also host one Ray set-up per value, its actors started at that niceness")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.role == "worker":
@@ -252,7 +268,7 @@ def main(argv=None) -> int:
         asyncio.run(_serve_gateway(args.config, args.info, args.port))
         return 0
     if args.role == "ray":
-        _serve_ray(args.config, args.port)
+        _serve_ray(args.config, args.port, args.niceness)
         return 0
 
     from bench.machine import checked_machine_info
@@ -271,8 +287,13 @@ def main(argv=None) -> int:
         w = child(["--role", "worker", "--config", cfg], 60)
         g = child(["--role", "gateway", "--config", cfg, "--info", json.dumps(w["info"]), "--port", str(free_port())],
                   30)
-        ray = child(["--role", "ray", "--config", cfg, "--port", str(free_port())], 90) if args.ray else None
-        per_round = asyncio.run(measure(args, w["info"], w["llama_url"], f"http://127.0.0.1:{g['port']}", ray))
+        hosts = {}
+        if args.ray:
+            hosts["ray"] = child(["--role", "ray", "--config", cfg, "--port", str(free_port())], 90)
+        for nice in args.ray_niceness:
+            hosts[f"ray{nice}"] = child(["--role", "ray", "--config", cfg, "--port", str(free_port()),
+                                         "--niceness", str(nice)], 90)
+        per_round = asyncio.run(measure(args, w["info"], w["llama_url"], f"http://127.0.0.1:{g['port']}", hosts))
     print(f"load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f}; {args.rounds} rounds x "
           f"{args.requests} requests per leg, {args.tokens} tokens, {args.prompt_tokens}-token cached prompt")
     print("TTFT p50 ms, median (min .. max) over rounds:")
@@ -283,17 +304,18 @@ def main(argv=None) -> int:
     for a, b, what in (("native", "v1", "llama-server endpoint and body"), ("channel", "native", "worker hop"),
                        ("pulse", "channel", "gateway"), ("pulse", "v1", "all of Pulse")):
         print(f"  {a} - {b:8s} {_fmt(_minus(per_round, a, b))} ms  ({what})")
-    if args.ray:
-        for a, b, what in (("ray_channel", "ray_v1", "worker hop, in Ray"),
-                           ("ray_pulse", "ray_channel", "gateway, in Ray"),
-                           ("ray_pulse", "ray_v1", "all of Pulse, in Ray")):
-            print(f"  {a} - {b:8s} {_fmt(_minus(per_round, a, b))} ms  ({what})")
+    for label in hosts:
+        v1, channel, pulse = ray_legs(label)
+        for x, y, what in ((channel, v1, "worker hop"), (pulse, channel, "gateway"), (pulse, v1, "all of Pulse")):
+            print(f"  {x} - {y:8s} {_fmt(_minus(per_round, x, y))} ms  ({what}, in Ray: {label})")
+    if hosts:
         print("what hosting in Ray adds, per round:")
-        for leg, ray_leg, ref, ray_ref in (("channel", "ray_channel", "v1", "ray_v1"),
-                                           ("pulse", "ray_pulse", "v1", "ray_v1")):
-            xs = [(rx - rr) - (x - r) for rx, rr, x, r in
-                  zip(per_round[ray_leg], per_round[ray_ref], per_round[leg], per_round[ref])]
-            print(f"  ({ray_leg} - {ray_ref}) - ({leg} - {ref}) {_fmt(xs)} ms")
+        for label in hosts:
+            v1, channel, pulse = ray_legs(label)
+            for leg, ray_leg, ray_ref in (("channel", channel, v1), ("pulse", pulse, v1)):
+                xs = [(rx - rr) - (x - r) for rx, rr, x, r in
+                      zip(per_round[ray_leg], per_round[ray_ref], per_round[leg], per_round["v1"])]
+                print(f"  ({ray_leg} - {ray_ref}) - ({leg} - v1) {_fmt(xs)} ms")
     return 0
 
 
