@@ -11,6 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.errors import APIError, bad_param
+from workers.request_limits import SAMPLING_RANGES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -117,11 +118,8 @@ def _range(name: str, value: float | None, lo: float, hi: float, lo_open: bool =
 def validate_common(req: _Common, *, max_stop_strings: int, max_stop_length: int) -> None:
     if not req.model:
         raise bad_param("model", "`model` must be a non-empty string")
-    _range("temperature", req.temperature, 0.0, 2.0)
-    _range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
-    _range("min_p", req.min_p, 0.0, 1.0)
-    _range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    for name, lo, hi, lo_open in SAMPLING_RANGES:  # the bounds every worker checks again itself
+        _range(name, getattr(req, name), lo, hi, lo_open=lo_open)
     if req.top_k is not None and req.top_k < 0:
         raise bad_param("top_k", f"`top_k` must be >= 0; got {req.top_k}")
     if req.max_tokens is not None and req.max_tokens < 1:

@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_BYTES = 256 * 1024  # the gateway refuses schemas above 64 KiB; room for the tool-call wrapper
 MAX_ID_BYTES = 11  # one token id in JSON, with its comma
-# OpenAI's ranges (the gateway's too): (field, low, high, low excluded)
+# OpenAI's ranges, checked by the gateway (gateway/openai_types.py) and again here: (field, low, high, low excluded)
 SAMPLING_RANGES = (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False),
                    ("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False))
 
