@@ -134,10 +134,12 @@ def test_real_model_penalties_on_gpu_take_the_penalized_argmax(real):  # noqa: F
     """Presence/frequency penalties on the device's logits (engine.apply_penalties with CuPy): each greedy
     token is the argmax of the top-20 logprobs less the penalties of the output so far, the penalty changed
     some choices, and an unpenalized sequence in the same batch keeps its greedy tokens."""
-    from collections import Counter
-
     from tests.gpu.test_speculation_gpu import _spec_engine
-    from tests.integration.test_penalties import PENALIZED, PROMPT
+    from tests.integration.test_penalties import (
+        PENALIZED,
+        PROMPT,
+        assert_penalized_argmax,
+    )
 
     info, _, tok = real
     ids = [info.bos_token_id] + tok.encode(PROMPT).ids
@@ -156,13 +158,7 @@ def test_real_model_penalties_on_gpu_take_the_penalized_argmax(real):  # noqa: F
             toks += o.token_ids
             entries += o.logprobs
     assert got == plain[0]  # the unpenalized row beside it
-    counts, changed = Counter(), 0
-    for t, entry in zip(toks, entries):
-        score = {i: lp - counts[i] * PENALIZED.frequency_penalty - (counts[i] > 0) * PENALIZED.presence_penalty
-                 for i, lp in entry.top}
-        assert t in score and score[t] >= max(score.values()) - 2e-2, (t, score)  # fp16 logits
-        changed += t != entry.top[0][0]
-        counts[t] += 1
+    changed = assert_penalized_argmax(toks, entries, PENALIZED, 2e-2)  # fp16 logits
     assert len(toks) == 24 and changed > 0
 
 

@@ -35,8 +35,18 @@ def test_the_arithmetic_counts_the_output_only():
     np.testing.assert_allclose(logits, expected)
 
 
-def _penalized_score(entry, counts: Counter, s: SamplingParams):
-    return {t: lp - counts[t] * s.frequency_penalty - (counts[t] > 0) * s.presence_penalty for t, lp in entry.top}
+def assert_penalized_argmax(tokens: list[int], entries, s: SamplingParams, tolerance: float) -> int:
+    """Each greedy token is the best of its top logprobs less the penalties of the output before it (within
+    `tolerance`); returns how many steps the penalty overturned the model's own first choice."""
+    counts: Counter = Counter()
+    changed = 0
+    for token, entry in zip(tokens, entries, strict=True):
+        assert entry.token_id == token
+        scores = {t: lp - counts[t] * s.frequency_penalty - (counts[t] > 0) * s.presence_penalty for t, lp in entry.top}
+        assert token in scores and scores[token] >= max(scores.values()) - tolerance, (token, scores)
+        changed += token != entry.top[0][0]
+        counts[token] += 1
+    return changed
 
 
 def test_greedy_takes_the_penalized_argmax_beside_an_untouched_sequence():
@@ -60,13 +70,6 @@ def test_greedy_takes_the_penalized_argmax_beside_an_untouched_sequence():
                     finals.append(out)
     assert got["u"] == reference[0]  # the other row of the batch is untouched
     assert len(got["p"]) == 24 and finals and finals[0].drafted_tokens == 0
-    counts: Counter = Counter()
-    changed = 0
-    for token, entry in zip(got["p"], entries):
-        assert entry.token_id == token
-        scores = _penalized_score(entry, counts, PENALIZED)
-        assert token in scores and scores[token] >= max(scores.values()) - 1e-4, (token, scores)
-        changed += token != entry.top[0][0]  # the penalty overturned the model's own first choice
-        counts[token] += 1
+    changed = assert_penalized_argmax(got["p"], entries, PENALIZED, 1e-4)
     assert changed > 0
     assert max(Counter(got["p"]).values()) < max(Counter(reference[0]).values())
