@@ -110,6 +110,8 @@ class EngineConfig(PulseModel):
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    prefill_wait_steps: int | None = Field(None, ge=0, description=(
+        "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(
         "auto", description="Run the engine in a process of its own beside the worker's (token ids cross a local "
         "socket), so its step thread does not share a GIL with the streams the worker serves; auto: on where the "

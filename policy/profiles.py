@@ -44,6 +44,10 @@ class DeviceProfile(PulseModel):
     speculation_gate: bool = Field(True, description=(
         "Time decode steps with prompt-lookup drafting on and off per concurrency and keep the faster "
         "(policy.speculation.SpeculationGate); false: draft wherever the table and acceptance say."))
+    prefill_wait_steps: int = Field(0, ge=0, description=(
+        "Prefill coalescing: a request arriving while others decode waits up to this many engine steps so that "
+        "arrivals share one eager prefill step and the rest stay on CUDA graphs (workers/cupy/scheduler.py); "
+        "0: admit at once."))
     llama_server_args: list[str] = Field(default_factory=list, description="llama-server flags for this box.")
     llama_server_slots: int = Field(4, ge=1, description="llama-server -np.")
     source: str = Field("", description="Where the figures come from (command, document).")

@@ -69,3 +69,45 @@ def test_a_readmitted_sequence_reuses_its_own_cached_blocks():
     sched.preempt(s)
     assert step(sched) == [("s", 3)]  # 8 of its 11 tokens come back from the prefix cache
     assert s.num_cached == 0  # reported cached tokens are those of the first admission
+
+
+def test_prefill_coalescing_holds_arrivals_while_others_decode_then_admits_them_together():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=8, max_step_tokens=64, prefill_wait_steps=3)
+    sched.add(Sequence("a", [1, 2, 3], max_tokens=50))
+    assert step(sched) == [("a", 3)]  # nothing running: an arrival is admitted at once
+    sched.add(Sequence("b", [4, 5], max_tokens=50))
+    assert step(sched) == [("a", 1)]  # b waits: the step stays a pure decode
+    sched.add(Sequence("c", [6, 7], max_tokens=50))
+    assert step(sched) == [("a", 1)]
+    assert step(sched) == [("a", 1), ("b", 2), ("c", 2)]  # b has waited 3 steps: both join one prefill step
+    assert sched.held_steps == 2
+    assert step(sched) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_prefill_coalescing_admits_at_once_into_a_step_that_already_prefills():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_step_tokens=6, prefill_wait_steps=100)
+    sched.add(Sequence("a", list(range(10)), max_tokens=5))
+    assert step(sched) == [("a", 6)]
+    sched.add(Sequence("b", [4, 5], max_tokens=5))
+    assert step(sched) == [("a", 4), ("b", 2)]  # a's last chunk makes the step eager: b rides along
+    sched.add(Sequence("c", [6], max_tokens=5))
+    assert step(sched) == [("a", 1), ("b", 1)]  # decodes only: c is held
+
+
+def test_prefill_coalescing_never_holds_a_preempted_sequence():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=8, max_step_tokens=64, prefill_wait_steps=100)
+    a, b = Sequence("a", [1, 2, 3], max_tokens=50), Sequence("b", [4, 5, 6], max_tokens=50)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    sched.preempt(b)
+    assert step(sched) == [("a", 1), ("b", 4)]  # recomputed at once (prompt + its one token), not held 100 steps
+
+
+def test_without_prefill_wait_an_arrival_joins_the_next_step():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=8, max_step_tokens=64)
+    sched.add(Sequence("a", [1, 2, 3], max_tokens=50))
+    step(sched)
+    sched.add(Sequence("b", [4, 5], max_tokens=50))
+    assert step(sched) == [("a", 1), ("b", 2)]
+    assert sched.held_steps == 0

@@ -76,6 +76,8 @@ def build_engine(config, profile, info, block_sink: BlockSink | None = None):
 
         engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes)
     engine.device_name = device_name(xp)
+    wait = cfg.prefill_wait_steps
+    engine.scheduler.prefill_wait_steps = profile.prefill_wait_steps if wait is None else wait
     engine.constraints = _constraints(load_tokenizer(info.path), info, xp)
     if cfg.speculation:
         from workers.cupy.speculative import Speculator

@@ -6,6 +6,15 @@ waiting sequences join, attaching their cached prefix blocks, while there are fr
 blocks. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are released (full ones stay in the prefix cache) and it goes back to the front
 of the queue to be recomputed later, tokens generated so far included, so nothing is lost.
+
+Prefill coalescing (`prefill_wait_steps` W > 0, from the device profile): on a GPU a step of pure decodes
+replays a CUDA graph, while a step that carries any prompt tokens runs eagerly (one Python launch per kernel,
+several times the graph's cost). Under steady load requests arrive one by one, so admitting each at once makes
+nearly every step eager. With W > 0 a waiting request joins a step that is all decodes only once the oldest
+waiting one has waited W steps; it joins at once when nothing is running (an idle engine never waits), when
+the step already carries prompt tokens (a running sequence's prefill chunk: the step is eager anyway), and a
+preempted sequence (back at the front of the queue) is not held. The cost is up to W decode steps of time to
+first token for a request that arrives while others decode.
 """
 from __future__ import annotations
 
@@ -17,8 +26,9 @@ from workers.cupy.sequence import Sequence, SeqStatus
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_wait_steps: int = 0):
         self.blocks = blocks
+        self.prefill_wait_steps = prefill_wait_steps
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max(max_step_tokens, max_num_seqs)  # room for every decode token
         self.waiting: deque[Sequence] = deque()
@@ -26,9 +36,12 @@ class Scheduler:
         self.preemptions = 0
         self._preempted_now = 0  # preemptions in the step being scheduled: then nobody new is admitted
         self._arrivals = itertools.count()
+        self.steps = 0  # schedule() calls: the clock prefill coalescing counts in
+        self.held_steps = 0  # steps in which a waiting request was held back to coalesce prefills
 
     def add(self, seq: Sequence) -> None:
         seq.status, seq.arrival = SeqStatus.WAITING, next(self._arrivals)
+        seq.queued_step = self.steps
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -38,6 +51,7 @@ class Scheduler:
         """This step's (sequence, number of new tokens); blocks for them are allocated."""
         budget, scheduled = self.max_step_tokens, []
         self._preempted_now = 0
+        self.steps += 1
         # oldest first, so every preemption victim (the newest) is one not yet scheduled in this step
         self.running.sort(key=lambda s: s.arrival)
         for seq in list(self.running):
@@ -49,9 +63,20 @@ class Scheduler:
             self.blocks.allocate(seq, n)
             scheduled.append((seq, n))
             budget -= n
-        if self._preempted_now == 0:  # admitting now would only take blocks back from the preempted
-            self._admit(budget, scheduled)
+        if self._preempted_now == 0 and self.waiting:  # admitting now would only take from the preempted
+            if self._admit_now(scheduled):
+                self._admit(budget, scheduled)
+            else:
+                self.held_steps += 1
         return scheduled
+
+    def _admit_now(self, scheduled: list) -> bool:
+        """Whether waiting requests join this step (prefill coalescing, the module's docstring)."""
+        if self.prefill_wait_steps <= 0 or not scheduled:
+            return True
+        if self.steps - self.waiting[0].queued_step >= self.prefill_wait_steps:
+            return True
+        return any(n > 1 or seq.num_computed + n < len(seq.token_ids) for seq, n in scheduled)
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Preempt newer sequences until `seq` can have blocks for `n` tokens; False if `seq` itself went."""
@@ -83,6 +108,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
+        seq.queued_step = -self.prefill_wait_steps  # back at the front: never held for coalescing
         self.waiting.appendleft(seq)
         self.preemptions += 1
         self._preempted_now += 1

@@ -34,6 +34,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order; preemption takes the newest first
+    queued_step: int = 0  # the scheduler's step count when it joined the waiting queue (prefill coalescing)
     num_drafted: int = 0  # speculation: draft tokens proposed for this sequence (verified or not)
     num_accepted: int = 0  # speculation: draft tokens that verification kept
     seed: int = 0  # the sampler's key: the request's seed, or one the engine drew for it (sampler.py)

@@ -122,6 +122,7 @@ class GpuGemma3:
         # speculative verify steps (verify.py) of up to the largest size in tokens; () keeps them eager
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
+        self.step_kinds = {"graph": 0, "verify": 0, "eager": 0}  # forwards by path, for benchmarks and stats
 
     @staticmethod
     def _rope_tables(cfg: Gemma3Config, n_pos: int) -> dict:
@@ -247,11 +248,12 @@ class GpuGemma3:
         n_rows = int(batch.logits_indices.shape[0])
         if (self.graph_sizes and n_query.size and np.all(n_query == 1) and n_rows == n_query.size
                 and n_query.size <= self.graph_sizes[-1]):
-            logits = self._decode_graphs(kv, meta.block_size).run(batch)
+            logits, kind = self._decode_graphs(kv, meta.block_size).run(batch), "graph"
         elif self.verify_sizes and n_rows == batch.num_tokens and self._verify_graphs(kv, meta.block_size).fits(batch):
-            logits = self._verify.run(batch)  # speculative verify step: every token wants logits
+            logits, kind = self._verify.run(batch), "verify"  # speculative verify step: every token wants logits
         else:
-            logits = self.forward_eager(batch, kv)
+            logits, kind = self.forward_eager(batch, kv), "eager"
+        self.step_kinds[kind] += 1
         self.last_logits = logits  # GpuSampler trusts last_chosen only for exactly these logits
         return logits
 

@@ -108,6 +108,7 @@ class GpuLlama(GpuGemma3):
         self._graphs = None
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
+        self.step_kinds = {"graph": 0, "verify": 0, "eager": 0}  # forwards by path (GpuGemma3.forward)
 
     def _layer_weights(self, w: dict, i: int) -> dict:
         p, act, c = f"blk.{i}.", self.act, self.cfg
