@@ -12,6 +12,13 @@ clients do), the same story prompts bench/served.py sends (tokenized with the mo
 token, prefill included: the same unit as bench/served.py's aggregate tok/s, so served / engine-alone at the same
 batch is what the serving path keeps of the engine. Wall time, host synchronised every step (the engine reads
 its chosen ids back each step). The first repeat of every cell is a discarded warm-up (graph capture, caches).
+
+Arrivals (`--arrivals`): `together` (every client's first request at once: they then finish and resend in step,
+so one step in --tokens carries prompts; the cells bench/served.py reads) and `staggered` (client c's first
+request at step c x tokens / B, so the B streams are spread over a request's lifetime, as served clients end up:
+about B / tokens prompts arrive each step). `--prefill-wait` runs each cell at these scheduler
+`prefill_wait_steps` (prefill coalescing, workers/cupy/scheduler.py; default: the profile's). Each cell reports
+its steps by path on the GPU (graph / verify / eager forwards) and the steps a prompt was held back.
 """
 from __future__ import annotations
 
@@ -45,8 +52,9 @@ def build_engine(model: str | None, profile_name: str | None, device: str, max_n
 
 
 def run_cell(engine, prompt_ids: list[list[int]], batch: int, per_client: int, tokens: int, sampling: dict,
-             tag: str) -> tuple[int, float]:
-    """Closed loop of `batch` clients x `per_client` requests: (generated tokens, wall seconds)."""
+             tag: str, staggered: bool = False) -> tuple[int, float]:
+    """Closed loop of `batch` clients x `per_client` requests: (generated tokens, wall seconds). `staggered`:
+    client c's first request at engine step c x tokens // batch instead of all at once."""
     from workers.protocol import GenerateRequest, SamplingParams
 
     params = SamplingParams(**sampling)
@@ -62,11 +70,15 @@ def run_cell(engine, prompt_ids: list[list[int]], batch: int, per_client: int, t
                                    ignore_eos=True))
 
     assert not engine.has_work(), "the engine must be idle between cells"
+    starts = sorted(((c * tokens // batch if staggered else 0), c) for c in range(batch))
     t0 = time.perf_counter()
-    for c in range(batch):
-        send(c)
-    generated = 0
-    while engine.has_work():
+    generated, steps = 0, 0
+    while starts or engine.has_work():
+        if not engine.has_work():
+            steps = max(steps, starts[0][0])  # nothing running: the next start is now
+        while starts and starts[0][0] <= steps:
+            send(starts.pop(0)[1])
+        steps += 1
         for out in engine.step():
             generated += len(out.token_ids)
             if out.finish_reason is not None:
@@ -87,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-client", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-speculation", action="store_true", help="no speculator (as `max_draft_tokens: 0`)")
+    ap.add_argument("--arrivals", nargs="+", default=["together"], choices=["together", "staggered"])
+    ap.add_argument("--prefill-wait", type=int, nargs="+", help="scheduler prefill_wait_steps to run each cell at")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
@@ -96,24 +110,41 @@ def main(argv=None) -> int:
     setup_s = time.perf_counter() - t0
     res: dict = {"model": info.path, "setup_s": setup_s, "speculation": not a.no_speculation, "cells": {}}
     salt = 0
+    sched, kinds = engine.scheduler, getattr(engine.model, "step_kinds", None)
+    waits = a.prefill_wait or [sched.prefill_wait_steps]
+    default_wait = sched.prefill_wait_steps
+    res["paths"] = {}
     for rep in range(a.repeats + 1):  # repeat 0: the warm-up
         for s in a.sampling:
             for b in a.batches:
-                n = b * a.per_client
-                _, texts = prompts("story", salt + n)  # fresh prompts every cell: no cached prefix carries over
-                ids = [bos + tokenizer.encode(t, add_special_tokens=False).ids for t in texts[salt:]]
-                salt += n
-                generated, seconds = run_cell(engine, ids, b, a.per_client, a.tokens, SAMPLING[s], f"r{rep}-{s}-b{b}")
-                if generated != n * a.tokens:
-                    raise RuntimeError(f"batch {b}: {generated} tokens generated, {n * a.tokens} asked for")
-                rate = generated / seconds
-                if rep:
-                    res["cells"].setdefault(f"{s}/b{b}", []).append(rate)
-                print(f"{'warm-up' if not rep else f'repeat {rep}'} {s} batch {b}: {rate:,.0f} tok/s", flush=True)
+                for arrivals in a.arrivals:
+                    for wait in waits:
+                        n = b * a.per_client
+                        _, texts = prompts("story", salt + n)  # fresh prompts every cell: no cached prefix carries over
+                        ids = [bos + tokenizer.encode(t, add_special_tokens=False).ids for t in texts[salt:]]
+                        salt += n
+                        sched.prefill_wait_steps = wait
+                        before, held = dict(kinds or {}), sched.held_steps
+                        generated, seconds = run_cell(engine, ids, b, a.per_client, a.tokens, SAMPLING[s],
+                                                      f"r{rep}-{s}-b{b}-{arrivals}-w{wait}", arrivals == "staggered")
+                        if generated != n * a.tokens:
+                            raise RuntimeError(f"batch {b}: {generated} tokens generated, {n * a.tokens} asked for")
+                        rate = generated / seconds
+                        key = (f"{s}/b{b}" if arrivals == "together" and wait == default_wait
+                               else f"{s}/b{b}/{arrivals}/w{wait}")
+                        paths = {k: v - before.get(k, 0) for k, v in (kinds or {}).items()}
+                        paths["held"] = sched.held_steps - held
+                        if rep:
+                            res["cells"].setdefault(key, []).append(rate)
+                            res["paths"][key] = paths
+                        print(f"{'warm-up' if not rep else f'repeat {rep}'} {key}: {rate:,.0f} tok/s, {seconds:.2f} s, "
+                              f"steps {paths}", flush=True)
+    sched.prefill_wait_steps = default_wait
     res["cells"] = {k: {**spread(v), "samples": v} for k, v in res["cells"].items()}
     print(f"engine alone ({'adaptive speculation' if res['speculation'] else 'no speculation'}), setup {setup_s:.1f} s")
     for k, v in res["cells"].items():
-        print(f"{k:14s} median {v['median']:10,.0f} tok/s  min {v['min']:10,.0f}  max {v['max']:10,.0f}  n={v['n']}")
+        print(f"{k:28s} median {v['median']:10,.0f} tok/s  min {v['min']:10,.0f}  max {v['max']:10,.0f}  n={v['n']}  "
+              f"last run's steps {res['paths'].get(k)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

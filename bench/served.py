@@ -7,7 +7,9 @@ streaming, at the settings users send.
 Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile's speculation, each sequence's
 depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation),
 `pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
-`workers.engine.process: off`, the placement before the engine process), `llama` (llama-server started directly
+`workers.engine.process: off`, the placement before the engine process), `pulse-w0` (a second `pulse serve` like
+`pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`: the placement before prefill
+coalescing, workers/cupy/scheduler.py), `llama` (llama-server started directly
 with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
@@ -112,19 +114,20 @@ def counter():
         i += 1
 
 
-def pulse_config(args, port: int, log_dir: Path, process: str = "auto") -> Path:
+def pulse_config(args, port: int, log_dir: Path, process: str = "auto", name: str = "", **engine) -> Path:
     """`process`: workers.engine.process (auto: the engine in a process of its own on a GPU; "off" for the
-    pulse-inproc target, the engine's step thread in the worker's process as before that split)."""
+    pulse-inproc target, the engine's step thread in the worker's process as before that split); `engine`: more
+    workers.engine settings (the pulse-w0 target's prefill_wait_steps)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
            "workers": {"backend": "cupy", "count": 1,
-                       "engine": {"device": args.device, "process": process,
+                       "engine": {"device": args.device, "process": process, **engine,
                                   **({} if args.profile_batch else {"max_num_seqs": max(args.clients)})}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
     if args.profile:
         cfg["workers"]["device_profile"] = args.profile
     if args.model:
         cfg["model"] = {"path": args.model}
-    path = log_dir / f"pulse-{process}.yaml"
+    path = log_dir / f"pulse-{name or process}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
 
@@ -150,14 +153,18 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     """{target: (base URL, model id)}; servers started and healthy."""
     bases = {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process
-    for process, targets in ((args.engine_process, [t for t in args.targets if t in ("pulse", "pulse-k0")]),
-                             ("off", [t for t in args.targets if t == "pulse-inproc"])):
+    # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
+    # pulse-w0 its own without prefill coalescing
+    for name, process, engine, targets in (
+            (args.engine_process, args.engine_process, {}, [t for t in args.targets if t in ("pulse", "pulse-k0")]),
+            ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
+            ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"])):
         if not targets:
             continue
         port = free_port()
-        proc = Proc(f"pulse-{process}", python_module(
-            "pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir, process))), log_dir, env=env)
+        proc = Proc(f"pulse-{name}", python_module(
+            "pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir, process, name, **engine))),
+            log_dir, env=env)
         procs.append(proc)
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
         base = f"http://127.0.0.1:{port}"
@@ -212,7 +219,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-inproc", "llama"])
+                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -281,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-inproc", "llama", "engine"):
+            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,
