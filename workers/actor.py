@@ -48,6 +48,10 @@ def device_id(kind: str) -> str:
 
             props = cupy.cuda.runtime.getDeviceProperties(0)
             uuid = props.get("uuid")
+            if isinstance(uuid, bytes) and len(uuid) != 16:
+                # CuPy converts the UUID's char[16] as a C string: it stops at the first zero byte (the H200
+                # test GPU's UUID has one at byte 7, which made a 7-byte id), so ask the driver for all 16
+                uuid = _driver_uuid()
             if uuid:
                 return "gpu-" + (uuid.hex() if isinstance(uuid, bytes) else str(uuid))
             return "pci-{:04x}:{:02x}:{:02x}".format(props.get("pciDomainID", 0), props.get("pciBusID", 0),
@@ -58,6 +62,22 @@ def device_id(kind: str) -> str:
     if visible and visible not in ("-1", "NoDevFiles"):
         return "cuda-visible-" + visible
     return "cpu"
+
+
+def _driver_uuid() -> bytes | None:
+    """The current CUDA device's 16-byte UUID from the driver API (cuDeviceGetUuid; a MIG slice's own under
+    _v2), or None where the driver library or the call is not there."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
+    get_uuid = getattr(cuda, "cuDeviceGetUuid_v2", None) or getattr(cuda, "cuDeviceGetUuid", None)
+    if get_uuid is None or cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+    return raw.raw[:16] if get_uuid(raw, dev) == 0 else None
 
 
 def advertised_host(bind: str) -> str:
