@@ -8,8 +8,8 @@ Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile
 depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation),
 `pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
 `workers.engine.process: off`, the placement before the engine process), `pulse-w0` (a second `pulse serve` like
-`pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`: the placement before prefill
-coalescing, workers/cupy/scheduler.py), `llama` (llama-server started directly
+`pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for
+`pulse`, the A/B of prefill coalescing, workers/cupy/scheduler.py), `llama` (llama-server started directly
 with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
@@ -156,7 +156,9 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
     # pulse-w0 its own without prefill coalescing
     for name, process, engine, targets in (
-            (args.engine_process, args.engine_process, {}, [t for t in args.targets if t in ("pulse", "pulse-k0")]),
+            (args.engine_process, args.engine_process,
+             {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
+             [t for t in args.targets if t in ("pulse", "pulse-k0")]),
             ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
             ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"])):
         if not targets:
@@ -233,6 +235,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "with it, clients beyond the batch wait in the gateway's admission queue as they would in production"))
     ap.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                     help="workers.engine.process for the pulse and pulse-k0 targets (auto: on with a GPU engine)")
+    ap.add_argument("--prefill-wait", type=int, help=(
+        "workers.engine.prefill_wait_steps for the pulse and pulse-k0 targets (default: the profile's); beside "
+        "pulse-w0 (0) it is the A/B of prefill coalescing"))
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(
