@@ -293,6 +293,9 @@ class WorkerStatsCollector:
                                       "stages use (shm, tcp-loopback, tcp).", labels=["worker", "transport"]))
         fams += [CounterMetricFamily(n, h, labels=["worker"]) for n, h, _ in _WORKER_COUNTERS]
         fams += [CounterMetricFamily(n, h, labels=["worker", lab]) for n, h, _, lab in _WORKER_VECTORS]
+        fams.append(CounterMetricFamily("pulse_worker_engine_forwards", "GPU engine forwards by path: graph (a "
+                                        "decode step's CUDA graph), verify (a speculative verify graph), eager "
+                                        "(a step carrying prompt tokens).", labels=["worker", "path"]))
         return fams
 
     def collect(self):
@@ -322,4 +325,6 @@ class WorkerStatsCollector:
                 offset = 1 if label == "position" else 0
                 for i, value in enumerate(_field(snap, field) or ()):
                     by_name[name].add_metric([worker, str(i + offset)], float(value))
+            for path, value in (_field(snap, "forwards_by_path") or {}).items():
+                by_name["pulse_worker_engine_forwards"].add_metric([worker, path], float(value))
         return fams

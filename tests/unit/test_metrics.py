@@ -61,7 +61,8 @@ def full_snapshots() -> dict:
     return {
         "w0": SpecStats(running=2, waiting=1, slots=8, kv_blocks_total=100, kv_blocks_used=30, tokens_per_s=50.0,
                         preemptions=1, restarts=2, generated_tokens=500, speculation_k=3, steps_by_k=[5, 0, 0, 9],
-                        drafted_by_position=[9, 9, 9], accepted_by_position=[8, 5, 2]),
+                        drafted_by_position=[9, 9, 9], accepted_by_position=[8, 5, 2],
+                        forwards_by_path={"graph": 40, "verify": 3, "eager": 7}),
         "w1": msgspec.structs.asdict(BackendStats(running=1, kv_blocks_total=10, kv_blocks_used=10, healthy=False)),
     }
 
@@ -131,6 +132,8 @@ def test_worker_collector_reads_snapshots_at_scrape_time():
     assert s[("pulse_worker_healthy", (("worker", "w1"),))] == 0
     assert s[("pulse_worker_draft_tokens_accepted_total", (("position", "3"), ("worker", "w0")))] == 2
     assert s[("pulse_worker_speculation_steps_total", (("k", "3"), ("worker", "w0")))] == 9
+    assert s[("pulse_worker_engine_forwards_total", (("path", "eager"), ("worker", "w0")))] == 7
+    assert s[("pulse_worker_engine_forwards_total", (("path", "graph"), ("worker", "w0")))] == 40
     assert s[("pulse_worker_backend_restarts_total", (("worker", "w0"),))] == 2
     # plain BackendStats has no speculation fields: no speculation series for w1
     assert not any(k[0].startswith("pulse_worker_speculation") and ("worker", "w1") in k[1] for k in s)

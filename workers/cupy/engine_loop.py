@@ -172,4 +172,5 @@ def engine_snapshot(eng) -> dict:
         "slots": eng.scheduler.max_num_seqs, "kv_blocks_total": eng.blocks.num_blocks,
         "kv_blocks_used": eng.blocks.pressure_used, "block_size": eng.blocks.block_size, "tokens_per_s": gen,
         "prefill_tokens_per_s": prefill, "preemptions": eng.scheduler.preemptions,
+        "forwards_by_path": dict(getattr(eng.model, "step_kinds", None) or {}),
     }

@@ -120,6 +120,9 @@ class BackendStats(msgspec.Struct):
     accepted_by_position: list[int] = []
     # the speculation gate by concurrency bucket: {"1": {"drafting": bool, "on": tok/s, "off": tok/s}, ...}
     speculation_gate: dict[str, dict] = {}
+    # the GPU engine's forwards by path, cumulative: {"graph": n, "verify": n, "eager": n}; eager ones carry a
+    # prompt (or a step no graph fits) and cost several graph steps (BENCHMARKS.md, issue 25)
+    forwards_by_path: dict[str, int] = {}
     pipeline_transport: str = ""  # pipelined engine: how activations move between stages ("" = no pipeline)
     pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops
     pipeline_transfer_bytes: int = 0  # cumulative
