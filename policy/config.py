@@ -109,7 +109,8 @@ class EngineConfig(PulseModel):
     max_num_seqs: int | None = Field(None, ge=1, description="Running sequences at once; empty: from the profile.")
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; empty: from the profile.")
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
-    cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (GPU only).")
+    cuda_graphs: bool = Field(True, description="Replay decode and speculative verify steps as CUDA graphs (GPU "
+                              "only); off: every step is launched eagerly (slower; for debugging kernels).")
     prefill_wait_steps: int | None = Field(None, ge=0, description=(
         "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(

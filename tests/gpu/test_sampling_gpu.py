@@ -177,3 +177,30 @@ def test_graphs_captured_at_start_are_the_ones_decode_uses(real):  # noqa: F811
     early, _, _ = _run(eng, prompts, SamplingParams(temperature=0.0))
     assert early == lazy
     assert eng.model._graphs is decode and eng.model._verify is verify
+
+
+def test_cuda_graphs_off_runs_every_step_eagerly_with_the_same_tokens(real):  # noqa: F811
+    """`workers.engine.cuda_graphs: false` reaches the model (build_engine passes no graph sizes): no decode or
+    verify graph is built or replayed, every forward is eager, and greedy output starts as the graphs' does (the
+    eager steps multiply through cuBLAS, the graphs' small batches through the fused GEMV kernels: fp16 sums in
+    another order, so a near-tie later in 24 tokens may break the other way)."""
+    from policy.config import PulseConfig
+    from policy.profiles import builtin_profiles
+    from workers.cupy.backend import build_engine
+
+    info, _, tok = real
+    prompts = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS[:3]]
+    got = {}
+    for graphs in (True, False):
+        config = PulseConfig.model_validate({"model": {"path": info.path}, "workers": {"backend": "cupy", "engine": {
+            "device": "cuda", "max_num_seqs": 8, "kv_blocks": 1024, "cuda_graphs": graphs}}})
+        eng = build_engine(config, builtin_profiles()["cuda"], info)
+        got[graphs], _, _ = _run(eng, prompts, SamplingParams(temperature=0.0))
+        kinds = eng.model.step_kinds
+        if graphs:
+            assert kinds["graph"] + kinds["verify"] > 0
+        else:
+            assert eng.model._graphs is None and eng.model._verify is None
+            assert kinds["graph"] == kinds["verify"] == 0 and kinds["eager"] > 0
+    assert [t[:4] for t in got[False]] == [t[:4] for t in got[True]]
+    assert all(len(t) == 24 for t in got[False])

@@ -74,7 +74,8 @@ def build_engine(config, profile, info, block_sink: BlockSink | None = None):
     else:  # the GPU engine: fused kernels, cuBLAS in graphs, decode as CUDA graphs (workers/cupy/gpu)
         from workers.cupy.gpu import create_gpu_engine
 
-        engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes)
+        eager = {} if cfg.cuda_graphs else {"graph_sizes": (), "verify_sizes": ()}  # every step launched eagerly
+        engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes, **eager)
     engine.device_name = device_name(xp)
     wait = cfg.prefill_wait_steps
     engine.scheduler.prefill_wait_steps = profile.prefill_wait_steps if wait is None else wait

@@ -105,10 +105,13 @@ class GpuSampler(Sampler):
 
 def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, max_num_seqs: int,
                       max_step_tokens: int, context_length: int, block_sink=None, seed: int | None = None,
-                      act: str = "float16", graph_sizes=None, window_pool: bool = True, **_ignored):
+                      act: str = "float16", graph_sizes=None, verify_sizes=None, window_pool: bool = True,
+                      **_ignored):
     """An Engine whose model is the architecture's GPU model (models.build_gpu_model: fp16/bf16 weights, CUDA
     graphs for decode batches up to max_num_seqs). Same arguments as workers.cupy.engine.create_engine
-    (`window_pool`: the sliding-window layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored."""
+    (`window_pool`: the sliding-window layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored.
+    `graph_sizes` / `verify_sizes`: the decode and verify graphs' batch sizes (default: powers of two up to
+    max_num_seqs, and the model's own); () for none (`workers.engine.cuda_graphs: false`)."""
     from workers.cupy.engine import Engine
     from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.models import build_gpu_model
@@ -116,7 +119,8 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
 
     if graph_sizes is None:
         graph_sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_num_seqs) + (max_num_seqs,)
-    model = build_gpu_model(info, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length)
+    model = build_gpu_model(info, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length,
+                            **({} if verify_sizes is None else {"verify_sizes": verify_sizes}))
     cfg = model.cfg
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, num_local=plan.num_local)
