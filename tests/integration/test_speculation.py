@@ -273,3 +273,21 @@ def test_the_gate_times_real_steps_in_both_modes_and_changes_no_token(prompts, r
     (tokens,), (final,) = generate(engine, prompts[:1], 24, prediction_ids=encode(SOURCE)[1:])
     assert tokens == reference[0]
     assert final.accepted_tokens >= 8
+
+
+def test_no_rule_drafting_at_this_concurrency_skips_drafting_and_counts_k0(prompts, reference):
+    """A table that drafts only up to 2 running sequences: three at once never draft (the per-sequence work is
+    skipped, Speculator.may_draft), their steps count at K 0, and the tokens are the reference's; one alone
+    drafts the code edit."""
+    profile = DeviceProfile(name="k4-to-2", max_draft_tokens=4, draft_token_cost=0.0,
+                            speculation=[SpeculationRule(max_context=10**9, max_concurrency=2, k=4),
+                                         SpeculationRule(max_context=10**9, k=0)])
+    engine = make_engine()
+    engine.speculator = spec = Speculator(profile)
+    assert not spec.may_draft(3) and spec.may_draft(2)
+    tokens, finals = generate(engine, prompts, 24)
+    assert tokens == reference
+    assert spec.steps_by_k[0] > 0 and sum(spec.steps_by_k[1:]) == 0 and spec.last_k == 0
+    assert all(f.drafted_tokens == 0 for f in finals)
+    (alone,), (final,) = generate(engine, prompts[:1], 24, tag="alone")
+    assert alone == reference[0] and final.drafted_tokens > 0
