@@ -116,3 +116,28 @@ def test_logprobs_are_the_models_log_softmax_with_sorted_alternatives():
     assert [t for t, _ in entry.top] == [0, 1, 2]
     assert [v for _, v in entry.top] == pytest.approx(np.log([0.5, 0.3, 0.1]).tolist(), abs=1e-5)
     assert lps[1] is None
+
+
+def test_engine_rows_carry_the_packing_each_row_gives_alone():
+    """Engine.sample_rows packs the device draw's parameters for the whole batch at once (SampleRows.packed);
+    they are what pack_rows reads from each row by itself (key words, 1/T as float32 bits with 0 for every
+    greedy form, logprobs asked), and each row's key is row_key(seed, its token index)."""
+    from workers.cupy.engine import Engine
+    from workers.cupy.sampler import pack_rows
+    from workers.cupy.sequence import Sequence
+
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                SamplingParams(temperature=1e-30), SamplingParams(temperature=1.3, top_k=1),
+                SamplingParams(temperature=2.0, top_p=0.5), SamplingParams(temperature=1e-5)]
+    seqs = [Sequence(request_id=str(i), token_ids=list(range(10 + i)), max_tokens=50, sampling=p, seed=7 ** i,
+                     num_prompt_tokens=5, logprobs=[None, 0, 3][i % 3]) for i, p in enumerate(settings)]
+    rows = Engine.sample_rows(Engine.__new__(Engine), seqs, ahead=[0, 1, 0, 2, 0, 0, 3])
+    assert rows.packed is not None
+    got, alone = np.zeros((len(rows), 4), np.int32), np.zeros((len(rows), 4), np.int32)
+    pack_rows(rows, got)
+    pack_rows(list(rows), alone)  # a plain list: every row read by itself
+    assert (got == alone).all()
+    assert got[0, 2] == got[3, 2] == got[4, 2] == 0 and got[1, 2] != 0  # greedy forms draw the argmax
+    assert got[:, 3].tolist() == [0, 1, 1, 0, 1, 1, 0]
+    for r, s, a in zip(rows, seqs, [0, 1, 0, 2, 0, 0, 3]):
+        assert r.key == row_key(s.seed, s.num_output + a) and r.params is s.sampling and r.logprobs == s.logprobs

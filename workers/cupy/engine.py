@@ -15,7 +15,7 @@ import numpy as np
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
 from workers.cupy.rng import index_keys
-from workers.cupy.sampler import Sampler, SampleRow
+from workers.cupy.sampler import Sampler, SampleRow, packed_rows
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import SeqStatus, Sequence
 from workers.protocol import GenerateRequest, TokenLogprob
@@ -144,10 +144,11 @@ class Engine:
         offset where given: a verify step's drafted positions), the keys computed for all rows at once."""
         n = len(seqs)
         mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
-        index = np.fromiter((s.num_output for s in seqs), np.uint64, n)
+        index = (np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n)  # num_output, without the property
+                 - np.fromiter((s.num_prompt_tokens for s in seqs), np.uint64, n))
         if ahead is not None:
             index += np.asarray(ahead, np.uint64)
-        return [SampleRow(s.sampling, key, s.logprobs) for s, key in zip(seqs, index_keys(mixed, index))]
+        return packed_rows([s.sampling for s in seqs], [s.logprobs for s in seqs], *index_keys(mixed, index))
 
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:

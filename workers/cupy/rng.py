@@ -44,11 +44,12 @@ def index_key(mixed_seed: int, index: int) -> tuple[int, int]:
     return z & 0xFFFFFFFF, z >> 32
 
 
-def index_keys(mixed_seeds: np.ndarray, indexes: np.ndarray) -> list[tuple[int, int]]:
-    """index_key for many rows at once (uint64 arrays; numpy's uint64 arithmetic wraps as `& M64` does)."""
+def index_keys(mixed_seeds: np.ndarray, indexes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """index_key for many rows at once (uint64 arrays; numpy's uint64 arithmetic wraps as `& M64` does): the
+    keys' two words as two uint32 arrays (row i's key is (lo[i], hi[i]))."""
     with np.errstate(over="ignore"):
         z = splitmix64(mixed_seeds + indexes)
-    return list(zip((z & np.uint64(0xFFFFFFFF)).tolist(), (z >> np.uint64(32)).tolist()))
+    return (z & np.uint64(0xFFFFFFFF)).astype(np.uint32), (z >> np.uint64(32)).astype(np.uint32)
 
 
 def mix32(xp, x):

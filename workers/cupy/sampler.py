@@ -13,11 +13,12 @@ rule picks among them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
 from workers.cupy.rng import NOISE_MAX, gumbel
-from workers.protocol import SamplingParams, TokenLogprob
+from workers.protocol import GREEDY_BELOW, SamplingParams, TokenLogprob
 
 # Rows keep their top CANDIDATES probabilities, sorted, to find top-k / top-p thresholds without sorting
 # the whole vocabulary; a row whose nucleus is wider than that falls back to a full sort.
@@ -43,6 +44,46 @@ class SampleRow:
         """Sampled with top-k, top-p or min-p: the row is masked before the draw."""
         p = self.params
         return not self.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+class SampleRows(list):
+    """A step's SampleRows with their draw parameters already packed for the device (pack_rows' layout), built
+    with them in one vectorized pass (Engine.sample_rows): staging a step then copies one array instead of
+    reading every row's key and temperature again (~0.5 ms a step at 256 rows on the dev box)."""
+
+    packed: np.ndarray | None = None
+
+
+def pack_rows(rows, out: np.ndarray) -> None:
+    """The device draw's parameters of `rows` into `out` ((len(rows), 4) int32, what the step's argmax kernel
+    reads, gpu/sampling.cu): the key's two words, 1/T as float32 bits (0: greedy), logprob wanted (0/1)."""
+    packed = getattr(rows, "packed", None)
+    if packed is not None:
+        out[...] = packed
+        return
+    n = len(rows)
+    keys = np.fromiter(chain.from_iterable(r.key for r in rows), np.uint32, 2 * n).reshape(n, 2)
+    out[:, :2] = keys.view(np.int32)
+    out[:, 2] = np.fromiter((r.inv_temperature for r in rows), np.float32, n).view(np.int32)
+    out[:, 3] = np.fromiter((r.logprobs is not None for r in rows), np.int32, n)
+
+
+def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray) -> SampleRows:
+    """SampleRows for rows with these sampling params, logprobs asks and key words (rng.index_keys), packed
+    as they are built."""
+    n = len(params)
+    rows = SampleRows(map(SampleRow, params, zip(lo.tolist(), hi.tolist()), logprobs))
+    packed = np.empty((n, 4), np.int32)
+    packed[:, 0] = lo.view(np.int32)
+    packed[:, 1] = hi.view(np.int32)
+    # SampleRow.inv_temperature for all rows at once: 1/T in double rounded to float32, 0 where greedy
+    temps = np.fromiter((p.temperature for p in params), np.float64, n)
+    greedy = (temps < GREEDY_BELOW) | (np.fromiter((p.top_k for p in params), np.int64, n) == 1)
+    with np.errstate(divide="ignore"):
+        packed[:, 2] = np.where(greedy, 0.0, 1.0 / temps).astype(np.float32).view(np.int32)
+    packed[:, 3] = np.fromiter((lp is not None for lp in logprobs), np.int32, n)
+    rows.packed = packed
+    return rows
 
 
 class Sampler:

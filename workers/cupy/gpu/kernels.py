@@ -205,12 +205,10 @@ class DeviceDraws:
 
     @staticmethod
     def pack(rows, out: np.ndarray) -> None:
-        """Sampler rows (workers/cupy/sampler.SampleRow) into `out` (len(rows), 4) int32."""
-        n = len(rows)
-        keys = np.array([r.key for r in rows], np.uint32).reshape(n, 2)
-        out[:, :2] = keys.view(np.int32)
-        out[:, 2] = np.array([r.inv_temperature for r in rows], np.float32).view(np.int32)
-        out[:, 3] = [r.logprobs is not None for r in rows]
+        """Sampler rows (workers/cupy/sampler.SampleRow) into `out` (len(rows), 4) int32 (sampler.pack_rows)."""
+        from workers.cupy.sampler import pack_rows
+
+        pack_rows(rows, out)
 
     def load(self, rows) -> None:
         """Stage `rows` on the current stream; the pinned buffer is reused after the engine's next sync."""
