@@ -54,7 +54,7 @@ class TimedConstraints:
 
 
 def build(max_batch: int):
-    from workers.cupy.constrain import Constraints, GrammarCompiler
+    from workers.cupy.constrain import GrammarCompiler
     from workers.cupy.models import build_model
     from workers.cupy.ops import Ops
     from workers.cupy.weights import load_weights

@@ -6,7 +6,6 @@ PULSE_* environment variable are three spellings of the same setting.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pydantic import ValidationError
