@@ -19,7 +19,8 @@ generates --tokens tokens. The whole grid is large (3 targets x 3 workloads x 2 
 = 72 runs a repeat; on the H200 one warm-up and two repeats of it at one request per client did not fit in 9
 minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
 call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
-p99. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
+p99, and for Pulse's GPU engine `eager_share`: the run's engine forwards that ran eagerly (a step carrying a
+prompt, or one no CUDA graph fits) over all its forwards, from the workers' `forwards_by_path`. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
 table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
 batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling
@@ -28,6 +29,7 @@ the served path is measured against (`pulse/engine`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -43,7 +45,8 @@ from bench.speculation import EDITS, SOURCES, edit_prompt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
-TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors"]
+TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "eager_share"]
+STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
             "a retired astronaut", "a talking cat", "a city under the sea", "a clockmaker's apprentice",
@@ -96,8 +99,15 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         spec = LoadSpec(url=base, api=api, model=model, prompts=texts[offset:], max_tokens=args.tokens,
                         clients=clients, requests=n, duration=args.duration, timeout=args.timeout,
                         body_extra=body_extra(target, workload, sampling))
+        before = await asyncio.to_thread(forwards, base)
         out = await run_load(spec)
         m = out["metrics"]
+        if before:  # a Pulse GPU worker: the share of this run's forwards that ran eagerly (no graph)
+            await asyncio.sleep(2 * STATS_POLL_S)  # the gateway's view of the workers lags one stats poll
+            after = await asyncio.to_thread(forwards, base)
+            delta = {k: after.get(k, 0) - v for k, v in before.items()}
+            total = sum(delta.values())
+            m["forwards"], m["eager_share"] = total, (delta.get("eager", 0) / total if total > 0 else None)
         with partial.open("a") as f:
             f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
         print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}",
@@ -105,6 +115,23 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         return out
 
     return measure
+
+
+def forwards(base: str) -> dict[str, int]:
+    """The GPU engines' forwards by path (graph / verify / eager), summed over the workers as the gateway last
+    polled them (GET /pulse/workers, open on loopback); {} where there are none (llama-server, a CPU engine)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + "/pulse/workers", timeout=10) as r:
+            workers = json.load(r)["workers"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    total: dict[str, int] = {}
+    for w in workers:
+        for path, n in (w.get("stats", {}).get("forwards_by_path") or {}).items():
+            total[path] = total.get(path, 0) + n
+    return total
 
 
 def counter():
