@@ -43,3 +43,21 @@ def test_engine_alone_runs_every_client_request_to_its_length():
     assert generated == 2 * 2 * 3 and seconds > 0
     assert not engine.has_work()
 
+
+
+def test_engine_alone_staggered_arrivals_start_each_client_later():
+    """--arrivals staggered: client c's first request at step c x tokens / batch, so the run lasts that many steps
+    longer than the one that starts every client at once, and still generates every token."""
+    from bench.engine_batches import build_engine, run_cell
+
+    engine, tokenizer, info = build_engine(None, "cpu", "cpu", 2, speculation=False)
+    _, texts = prompts("story", 8)
+    ids = [[info.bos_token_id] + tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    steps = {}
+    for staggered, part in ((False, ids[:4]), (True, ids[4:])):
+        before = engine.scheduler.steps
+        generated, _ = run_cell(engine, part, batch=2, per_client=2, tokens=4, sampling={"temperature": 0.0},
+                                tag=f"s{staggered}", staggered=staggered)
+        assert generated == 2 * 2 * 4
+        steps[staggered] = engine.scheduler.steps - before
+    assert steps[True] == steps[False] + 4 // 2, steps  # client 1 joins at step 2: the run ends 2 steps later
