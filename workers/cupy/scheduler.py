@@ -7,10 +7,12 @@ blocks. When a running sequence needs a block and none is free, the newest runni
 preempted: its blocks are released (full ones stay in the prefix cache) and it goes back to the front
 of the queue to be recomputed later, tokens generated so far included, so nothing is lost.
 
-Prefill coalescing (`prefill_wait_steps` W > 0, from the device profile): on a GPU a step of pure decodes
-replays a CUDA graph, while a step that carries any prompt tokens runs eagerly (one Python launch per kernel,
-several times the graph's cost). Under steady load requests arrive one by one, so admitting each at once makes
-nearly every step eager. With W > 0 a waiting request joins a step that is all decodes only once the oldest
+Prefill coalescing (`prefill_wait_steps` W > 0, from the device profile; off in every built-in profile): on a
+GPU a step of pure decodes replays a CUDA graph, while a step that carries any prompt tokens runs eagerly (one
+Python launch per kernel). When requests arrive one by one, admitting each at once makes many steps eager
+(the engine alone with staggered arrivals: 37% of the steps at 64 sequences, 75% at 256, and W 8 raised its
+tok/s 1.1-1.3x; served through `pulse serve` it showed no gain: BENCHMARKS.md, issue 25). With W > 0 a waiting
+request joins a step that is all decodes only once the oldest
 waiting one has waited W steps; it joins at once when nothing is running (an idle engine never waits), when
 the step already carries prompt tokens (a running sequence's prefill chunk: the step is eager anyway), and a
 preempted sequence (back at the front of the queue) is not held. The cost is up to W decode steps of time to
