@@ -18,7 +18,7 @@ from itertools import chain
 import numpy as np
 
 from workers.cupy.rng import NOISE_MAX, gumbel
-from workers.protocol import GREEDY_BELOW, SamplingParams, TokenLogprob
+from workers.protocol import SamplingParams, TokenLogprob
 
 # Rows keep their top CANDIDATES probabilities, sorted, to find top-k / top-p thresholds without sorting
 # the whole vocabulary; a row whose nucleus is wider than that falls back to a full sort.
@@ -78,7 +78,7 @@ def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi
     packed[:, 1] = hi.view(np.int32)
     # SampleRow.inv_temperature for all rows at once: 1/T in double rounded to float32, 0 where greedy
     temps = np.fromiter((p.temperature for p in params), np.float64, n)
-    greedy = (temps < GREEDY_BELOW) | (np.fromiter((p.top_k for p in params), np.int64, n) == 1)
+    greedy = np.fromiter((p.greedy for p in params), bool, n)  # SamplingParams' own rule, not a copy of it
     with np.errstate(divide="ignore"):
         packed[:, 2] = np.where(greedy, 0.0, 1.0 / temps).astype(np.float32).view(np.int32)
     packed[:, 3] = np.fromiter((lp is not None for lp in logprobs), np.int32, n)

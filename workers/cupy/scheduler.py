@@ -12,10 +12,10 @@ GPU a step of pure decodes replays a CUDA graph, while a step that carries any p
 Python launch per kernel). When requests arrive one by one, admitting each at once makes many steps eager
 (the engine alone with staggered arrivals: 37% of the steps at 64 sequences, 75% at 256, and W 8 raised its
 tok/s 1.1-1.3x; served through `pulse serve` it showed no gain: BENCHMARKS.md, issue 25). With W > 0 a waiting
-request joins a step that is all decodes only once the oldest
-waiting one has waited W steps; it joins at once when nothing is running (an idle engine never waits), when
-the step already carries prompt tokens (a running sequence's prefill chunk: the step is eager anyway), and a
-preempted sequence (back at the front of the queue) is not held. The cost is up to W decode steps of time to
+request joins a step that is all decodes only once the oldest waiting one has waited W steps; it joins at once
+when nothing is running (an idle engine never waits), when the step already carries prompt tokens (a running
+sequence's prefill chunk: the step is eager anyway), and a preempted sequence (back at the front of the queue)
+is not held. The cost is up to W decode steps of time to
 first token for a request that arrives while others decode.
 """
 from __future__ import annotations
