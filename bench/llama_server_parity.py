@@ -55,6 +55,10 @@ def config_yaml(args, log_dir: Path) -> str:
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
             ls[key] = getattr(args, key)
+    if args.slot_affinity == "off":
+        ls["slot_affinity"] = False
+    if args.server_args:
+        ls["extra_args"] = args.server_args.split()
     doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
@@ -148,6 +152,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-tokens", type=int, default=None, help="llama-server -c (default: the profile's)")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: Pulse's)")
     ap.add_argument("--binary", default=None, help="llama-server to run (default: Pulse's cached build)")
+    ap.add_argument("--slot-affinity", choices=["on", "off"], default="on",
+                    help="off: Pulse sends no id_slot and llama-server picks each slot (workers.llama_server.slot_affinity)")
+    ap.add_argument("--server-args", default="",
+                    help="more llama-server flags, one string (workers.llama_server.extra_args), e.g. '--log-timestamps'")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
     protocol.add_arguments(ap, RESULTS)

@@ -203,6 +203,12 @@ class LlamaServerConfig(PulseModel):
         True, description="With a drafter, also run a process without it for requests whose K is 0 (2x the weights "
         "and KV on a GPU; see workers/llama_server/README.md)."
     )
+    slot_affinity: bool = Field(
+        True, description="Pulse picks each request's slot (the idle one holding the longest prefix of the prompt, "
+        "else the least recently used) and sends it as id_slot; false: llama-server picks (its own prompt-similarity "
+        "rule) and Pulse learns the slot from the first event; slot checkpoints, when on, always pick. Either way the "
+        "prefix index hears what each slot holds."
+    )
     log_dir: str | None = Field(None, description="Where llama-server's output is written; empty: <cache>/logs.")
     restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between restarts of a dead process.")
     stop_grace_s: float = Field(5.0, ge=0, description="Time between SIGTERM and SIGKILL when stopping the process.")

@@ -79,6 +79,28 @@ async def test_slot_affinity_picks_the_slot_holding_the_prefix(served):
     assert usage.cached_tokens >= len(a) - 16
 
 
+async def test_without_slot_affinity_llama_server_picks_and_pulse_still_tracks_the_slot(tmp_path):
+    events = []
+    backend = make_backend(tmp_path, sink=events.append, slot_affinity=False)
+    await backend.start()
+    try:
+        lane = backend.lanes[0]
+
+        def refuse(prompt):
+            raise AssertionError("Pulse chose a slot with slot_affinity off")
+        lane.slots.choose = refuse
+        a = encode("Alpha story: " + "once upon a time there was a fox. " * 5)
+        await collect(backend, request("a1", a, max_tokens=2))
+        held = [s for s in lane.slots.slots if s.tokens[: len(a)] == a]
+        assert len(held) == 1 and not held[0].busy  # learned from llama-server's id_slot, released at the end
+        added = {h for e in events if e.kind == "added" for h in e.hashes}
+        assert set(chain_hashes(a, backend.block_size, backend.model.chain_root.hash)) <= added
+        usage = (await collect(backend, request("a2", a + encode(" The end")[1:], max_tokens=2)))[-1].usage
+        assert usage.cached_tokens >= len(a) - 16  # llama-server's own similarity rule found the same slot
+    finally:
+        await backend.close()
+
+
 async def test_stop_string_is_honoured_and_not_returned(served):
     backend, _ = served
     prompt = encode(PROMPT)

@@ -135,7 +135,7 @@ class LlamaServerBackend(Backend):
         if self.checkpoints is not None and lane.checkpoints:  # may restore into the slot, or save it first
             slot, hashes = await self.checkpoints.prepare(lane, prompt)
         else:
-            slot, hashes = lane.slots.choose(prompt), None
+            slot, hashes = (lane.slots.choose(prompt) if self.cfg.slot_affinity else None), None
         epoch = lane.slots.acquire(slot, prompt, hashes) if slot is not None else -1
         flight = self._flights[request.request_id] = _Flight(lane)
         lane.running += 1
