@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import llama_server_log as server_log
 from bench import loops, protocol
 from bench.gateway_overhead import _load_with_cpu, first_model
 from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, start_pulse
@@ -57,8 +58,8 @@ def config_yaml(args, log_dir: Path) -> str:
             ls[key] = getattr(args, key)
     if args.slot_affinity == "off":
         ls["slot_affinity"] = False
-    if args.server_args:
-        ls["extra_args"] = args.server_args.split()
+    # timestamps let bench.llama_server_log time each launch (the RAM prompt cache's saves) from the server's log
+    ls["extra_args"] = ["--log-timestamps", *args.server_args.split()]
     doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
@@ -155,7 +156,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--slot-affinity", choices=["on", "off"], default="on",
                     help="off: Pulse sends no id_slot and llama-server picks each slot (workers.llama_server.slot_affinity)")
     ap.add_argument("--server-args", default="",
-                    help="more llama-server flags, one string (workers.llama_server.extra_args), e.g. '--log-timestamps'")
+                    help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
+                    "e.g. --server-args='--cache-ram 0'")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
     protocol.add_arguments(ap, RESULTS)
@@ -178,8 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = Path(f"/proc/{llama_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         params = vars(args) | {"llama_server": {"pid": llama_pid, "argv": argv}, "loop": loops.resolve(args.loop)}
         summary = summarize(records, list(cells))
-        protocol.publish("llama_server_parity", records, summary, params, started, machine, verdict(summary),
-                         TABLE_METRICS, PLOT_METRICS, args.out)
+        launches = server_log.summarize([launch for log in sorted(log_dir.glob("llama-server-*.log"))
+                                         for launch in server_log.parse_file(log)])
+        params["llama_server"]["launches"] = launches  # warm-up included: the whole process's life
+        protocol.publish("llama_server_parity", records, summary, params, started, machine,
+                         verdict(summary) + server_log.lines(launches), TABLE_METRICS, PLOT_METRICS, args.out)
     return 0
 
 

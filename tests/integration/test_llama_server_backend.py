@@ -6,6 +6,7 @@ import json
 import pytest
 import pytest_asyncio
 
+from bench import llama_server_log
 from cache.hashing import chain_hashes
 from tests.integration.llama_server_helpers import (
     collect,
@@ -99,6 +100,24 @@ async def test_without_slot_affinity_llama_server_picks_and_pulse_still_tracks_t
         assert usage.cached_tokens >= len(a) - 16  # llama-server's own similarity rule found the same slot
     finally:
         await backend.close()
+
+
+async def test_the_servers_log_times_each_launch(tmp_path):
+    """bench.llama_server_log reads this binary's --log-timestamps log: Pulse's pinned launch, then one llama-server
+    picks itself for a different prompt (so it saves the slot's old prompt into its RAM cache first)."""
+    backend = make_backend(tmp_path, slots=1, extra_args=["--log-timestamps"])
+    await backend.start()
+    try:
+        await collect(backend, request("p1", encode("Alpha story: " + "once upon a time there was a fox. " * 5), 3))
+        direct_answer(backend, {"prompt": encode("Beta recipe: mix flour and water."), "n_predict": 2,
+                                "cache_prompt": True})
+    finally:
+        await backend.close()
+    (log,) = tmp_path.glob("llama-server-*.log")
+    launches = llama_server_log.parse_file(log)
+    assert [x.pick for x in launches] == ["id", "similarity" if launches[-1].f_keep is not None else "lru"]
+    assert all(x.prompt_ms is not None and x.prompt_tokens and x.ms_per_token for x in launches)
+    assert all(0 <= x.wait_ms < 30_000 for x in launches)
 
 
 async def test_stop_string_is_honoured_and_not_returned(served):
