@@ -1,14 +1,19 @@
-"""The engine step's host-side batch building (workers/cupy/batch.build_batch), timed alone: the part of a GPU
-decode step the device never sees, so its microseconds add straight to every step at high batch.
+"""The engine step's host-side work the device never sees, timed alone: its microseconds add straight to every
+step at high batch. Parts: `build_batch` (workers/cupy/batch.py, the step's inputs) and `emit` (the output loop:
+Engine.append_tokens, each sequence's sampled token appended and its StepOutput made).
 
     python -m bench.step_host --batches 64 256 --context 200 --repeats 5
     git show REV:workers/cupy/batch.py > /tmp/batch_rev.py
     python -m bench.step_host --baseline /tmp/batch_rev.py    # another version beside it, interleaved
+    git show REV:workers/cupy/engine.py > /tmp/engine_rev.py
+    python -m bench.step_host --part emit --baseline /tmp/engine_rev.py
 
 Decode steps of B sequences (one new token each, `--context` tokens known, block size 16), with one KV pool
 and with two (Gemma 3's sliding-window layers: a second block table per sequence, its early blocks slid out).
 Prints, per batch and layout, the median (min–max over --repeats) of microseconds per call, each repeat the
 mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
+For `emit` no sequence finishes during the timing (as in ~127 of a 128-token request's 128 steps); an
+engine.py from before append_tokens is timed as its step ran it then (append_token and output_for per sequence).
 """
 from __future__ import annotations
 
@@ -39,6 +44,38 @@ def decode_step(batch: int, context: int, two_pools: bool) -> list[tuple[Sequenc
     return out
 
 
+def load_module(path: str, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def output_loop(engine_module):
+    """A (scheduled, block_size, xp) -> outputs callable running `engine_module`'s output loop on the step's
+    sequences, each given token 1000 + its index; the tokens it appends are removed again after each call."""
+    eng = engine_module.Engine.__new__(engine_module.Engine)  # only what the loop touches: nothing finishes
+    eng.seqs, eng.constraints, eng.scheduler = {}, None, None
+
+    def run(scheduled, block_size, xp):
+        seqs = [seq for seq, _ in scheduled]
+        tokens = list(range(1000, 1000 + len(seqs)))
+        if hasattr(eng, "append_tokens"):
+            out = eng.append_tokens(seqs, tokens, None, [None] * len(seqs))
+        else:  # before append_tokens: two calls per sequence
+            out = []
+            for seq, token in zip(seqs, tokens):
+                eng.append_token(seq, token)
+                out.append(eng.output_for(seq, [token], None))
+        for seq in seqs:
+            seq.token_ids.pop()
+        return out
+    return run
+
+
 def per_call_us(build, scheduled, calls: int) -> float:
     for _ in range(max(10, calls // 10)):
         build(scheduled, BLOCK, np)
@@ -47,15 +84,6 @@ def per_call_us(build, scheduled, calls: int) -> float:
         build(scheduled, BLOCK, np)
     return (time.perf_counter() - t0) / calls * 1e6
 
-
-def load_baseline(path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("batch_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.build_batch
 
 
 def cell(runs: list[float]) -> str:
@@ -69,12 +97,21 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--baseline", help="another batch.py (e.g. from `git show REV:workers/cupy/batch.py`), "
-                    "timed beside this one, repeat by repeat")
+    ap.add_argument("--part", choices=["build_batch", "emit"], default="build_batch")
+    ap.add_argument("--baseline", help="another batch.py (--part build_batch) or engine.py (--part emit), e.g. from "
+                    "`git show REV:workers/cupy/batch.py`, timed beside this one, repeat by repeat")
     args = ap.parse_args(argv)
-    builds = {"this tree": build_batch} | ({"baseline": load_baseline(args.baseline)} if args.baseline else {})
+    if args.part == "emit":
+        from workers.cupy import engine
+        builds = {"this tree": output_loop(engine)}
+        if args.baseline:
+            builds["baseline"] = output_loop(load_module(args.baseline, "engine_baseline"))
+    else:
+        builds = {"this tree": build_batch}
+        if args.baseline:
+            builds["baseline"] = load_module(args.baseline, "batch_baseline").build_batch
     print(describe(machine_info()))
-    print("| batch | KV pools | " + " | ".join(f"{name}: build_batch us/call, median (min–max)" for name in builds)
+    print("| batch | KV pools | " + " | ".join(f"{name}: {args.part} us/call, median (min–max)" for name in builds)
           + (" | this / baseline |" if args.baseline else " |"))
     print("|" + " --- |" * (2 + len(builds) + bool(args.baseline)))
     for batch in args.batches:
