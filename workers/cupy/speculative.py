@@ -72,6 +72,11 @@ class Speculator:
         self._seqs[seq.request_id] = _SeqSpec(drafter, cap, workload, Acceptance())
 
     # --- drafting ----------------------------------------------------------------------------------
+    def _decodes(self, seq: Sequence, n: int) -> bool:
+        """Whether `seq`, scheduled for `n` tokens, decodes its next token this step (not a prefill chunk) with
+        speculation attached: only those draft, and only those count in steps_by_k."""
+        return n == 1 and seq.num_remaining == 1 and seq.request_id in self._seqs
+
     def propose(self, engine, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """{batch index: draft} for this step's decoding sequences; their KV blocks are allocated."""
         for rid in [r for r in self._seqs if r not in engine.seqs]:  # finished or aborted since
@@ -79,8 +84,7 @@ class Speculator:
         running = len(engine.scheduler.running)
         if not self.may_draft(running):  # no rule drafts at this concurrency: K is 0 for every sequence
             self._timed = None
-            decoding = sum(1 for seq, n in scheduled
-                           if n == 1 and seq.num_remaining == 1 and seq.request_id in self._seqs)
+            decoding = sum(1 for seq, n in scheduled if self._decodes(seq, n))
             if decoding:
                 self.steps_by_k[0] += decoding
                 self.last_k = 0
@@ -91,9 +95,9 @@ class Speculator:
         mode = self.gate.drafting(running, sampled) if self.gate is not None else True
         drafts, ks, eligible = {}, [], False
         for b, (seq, n) in enumerate(scheduled):
-            spec = self._seqs.get(seq.request_id)
-            if spec is None or n != 1 or seq.num_remaining != 1:
-                continue  # only sequences decoding their next token draft (not prefill chunks)
+            if not self._decodes(seq, n):
+                continue
+            spec = self._seqs[seq.request_id]
             cap = choose_k(len(seq.token_ids), running, spec.workload, self.profile, spec.cap)
             if cap > 0 and not spec.drafter.prediction.size:
                 eligible = True  # this step is one the gate's mode decides

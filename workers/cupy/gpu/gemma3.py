@@ -54,6 +54,10 @@ def _for_layer(x, lw):
     return x[0 if lw["window"] == 0 else 1] if isinstance(x, tuple) else x
 
 
+# The paths a forward takes (GpuGemma3.forward): a captured decode graph, a captured verify graph, or eager.
+STEP_KINDS = ("graph", "verify", "eager")
+
+
 @dataclass
 class Workspace:
     """Every intermediate of one step for up to `t` tokens and `s` logits rows (graphs need fixed buffers)."""
@@ -122,7 +126,7 @@ class GpuGemma3:
         # speculative verify steps (verify.py) of up to the largest size in tokens; () keeps them eager
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
-        self.step_kinds = {"graph": 0, "verify": 0, "eager": 0}  # forwards by path, for benchmarks and stats
+        self.step_kinds = dict.fromkeys(STEP_KINDS, 0)  # forwards by path, for benchmarks and stats
 
     @staticmethod
     def _rope_tables(cfg: Gemma3Config, n_pos: int) -> dict:

@@ -18,7 +18,7 @@ import cupy as cp
 import numpy as np
 
 from workers.cupy.gpu.cublas import Cublas
-from workers.cupy.gpu.gemma3 import GpuGemma3, Workspace, kv_dtype, to_device
+from workers.cupy.gpu.gemma3 import STEP_KINDS, GpuGemma3, Workspace, kv_dtype, to_device
 from workers.cupy.gpu.kernels import _HERE, NORM_THREADS, Kernels
 from workers.cupy.kv_cache import KVStorage
 from workers.cupy.llama import LlamaConfig, unpermute_rope_rows
@@ -108,7 +108,7 @@ class GpuLlama(GpuGemma3):
         self._graphs = None
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
-        self.step_kinds = {"graph": 0, "verify": 0, "eager": 0}  # forwards by path (GpuGemma3.forward)
+        self.step_kinds = dict.fromkeys(STEP_KINDS, 0)  # forwards by path (GpuGemma3.forward)
 
     def _layer_weights(self, w: dict, i: int) -> dict:
         p, act, c = f"blk.{i}.", self.act, self.cfg
