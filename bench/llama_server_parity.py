@@ -13,6 +13,10 @@ with its own defaults (top_k 40, top_p 0.95, min_p 0.05), a narrower distributio
 Pulse keeps; `t1exact` sends direct top_k 0, top_p 1, min_p 0 too, so both sample the same distribution.
 Per repeat, pulse is set against direct: tok_s_ratio (pulse / direct) and added TTFT p50/p99 (pulse -
 direct). Goal: ratio >= 0.95 and added p50 <= 2 ms, no 5xx.
+`--variants` runs one `pulse serve` (and so one llama-server) per set of extra llama-server flags, all at once,
+their cells interleaved in one run: variant i's targets are `direct.vI` and `pulse.vI` (variant 0's keep the plain
+names), and each variant's direct is also set against variant 0's in the same repeat (tok_s_vs_v0), e.g.
+`--variants '' '--cache-ram 0'` for what llama-server's RAM prompt cache costs under this load.
 
     python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
     python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
@@ -42,8 +46,8 @@ MODES = {
     "t1": ({"temperature": 1.0}, {}),
     "t1exact": ({"temperature": 1.0}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}),  # extra fields: direct only
 }
-TABLE_METRICS = ["tok_s", "tok_s_ratio", "ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms",
-                 "errors", "rate_limited"]
+TABLE_METRICS = ["tok_s", "tok_s_ratio", "tok_s_vs_v0", "ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms",
+                 "added_ttft_p99_ms", "errors", "rate_limited"]
 PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
 
 
@@ -51,7 +55,18 @@ def cell(target: str, api: str, mode: str, clients: int) -> str:
     return f"{target}/{api}/{mode}@{clients}"
 
 
-def config_yaml(args, log_dir: Path) -> str:
+def target(kind: str, variant: int) -> str:
+    """`direct` / `pulse` for variant 0, `direct.v1` / `pulse.v1` for variant 1, ..."""
+    return kind if variant == 0 else f"{kind}.v{variant}"
+
+
+def direct_of(name: str) -> str | None:
+    """The direct cell a pulse cell is paired with (same variant, API, mode and clients); None for a direct cell."""
+    tgt, rest = name.split("/", 1)
+    return "direct" + tgt[len("pulse"):] + "/" + rest if tgt.startswith("pulse") else None
+
+
+def config_yaml(args, log_dir: Path, variant: str = "") -> str:
     ls = {"log_dir": str(log_dir)}
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
@@ -59,7 +74,7 @@ def config_yaml(args, log_dir: Path) -> str:
     if args.slot_affinity == "off":
         ls["slot_affinity"] = False
     # timestamps let bench.llama_server_log time each launch (the RAM prompt cache's saves) from the server's log
-    ls["extra_args"] = ["--log-timestamps", *args.server_args.split()]
+    ls["extra_args"] = ["--log-timestamps", *args.server_args.split(), *variant.split()]
     doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
@@ -67,7 +82,8 @@ def config_yaml(args, log_dir: Path) -> str:
     return json.dumps(doc)  # JSON is YAML
 
 
-def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str) -> dict[str, LoadSpec]:
+def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str, variant: int = 0
+          ) -> dict[str, LoadSpec]:
     out = {}
     for api in args.apis:
         prompt = ids if api == "completions" else PROMPT
@@ -78,22 +94,25 @@ def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str) -> 
                               requests=max(args.min_requests, c * args.requests_per_client), timeout=args.timeout)
                 # a new connection per request to llama-server, as Pulse's backend does: cpp-httplib closes
                 # kept-alive connections under load
-                out[cell("direct", api, mode, c)] = LoadSpec(url=direct_url, model=model, force_close=True,
+                out[cell(target("direct", variant), api, mode, c)] = LoadSpec(url=direct_url, model=model, force_close=True,
                                                              body_extra=both | direct_only, **common)
-                out[cell("pulse", api, mode, c)] = LoadSpec(url=pulse_url, model=model, body_extra={**both},
+                out[cell(target("pulse", variant), api, mode, c)] = LoadSpec(url=pulse_url, model=model, body_extra={**both},
                                                             **common)
     return out
 
 
 def derive(records: list[dict]) -> list[dict]:
-    """Per repeat and cell: pulse's tok/s over direct's and its TTFT minus direct's, within the same repeat."""
+    """Per repeat and cell: pulse's tok/s over direct's and its TTFT minus direct's, within the same repeat; a
+    later variant's direct: its tok/s over variant 0's direct (tok_s_vs_v0)."""
     out = []
     for repeat, cfgs in protocol.by_repeat(records).items():
         for name, m in cfgs.items():
-            if not name.startswith("pulse/"):
-                continue
-            d = cfgs.get("direct/" + name.split("/", 1)[1])
-            if d is None:
+            if name.startswith("direct.v"):
+                d0 = cfgs.get("direct/" + name.split("/", 1)[1])
+                if d0 and d0.get("tok_s") and m.get("tok_s") is not None:
+                    out.append({"phase": "measure", "repeat": repeat, "config": name,
+                                "metrics": {"tok_s_vs_v0": m["tok_s"] / d0["tok_s"]}})
+            if (paired := direct_of(name)) is None or (d := cfgs.get(paired)) is None:
                 continue
             derived = {f"added_ttft_{p}_ms": (m[f"ttft_{p}_ms"] - d[f"ttft_{p}_ms"])
                        if m.get(f"ttft_{p}_ms") is not None and d.get(f"ttft_{p}_ms") is not None else None
@@ -111,13 +130,16 @@ def summarize(records: list[dict], order: Sequence[str]) -> dict:
 
 
 def verdict(summary: dict) -> list[str]:
-    """One line per pulse cell: median tok/s ratio and added TTFT p50 against the goals, and any failures."""
+    """One line per pulse cell: median tok/s ratio and added TTFT p50 against the goals, and any failures; one per
+    later variant's direct cell: its tok/s against variant 0's direct."""
     lines = []
     for name, ms in summary.items():
-        if not name.startswith("pulse/"):
+        if (vs := ms.get("tok_s_vs_v0")) is not None:
+            lines.append(f"VS0  {name}: tok/s x{vs['median']:.2f} ({vs['min']:.2f}-{vs['max']:.2f}) of variant 0's direct")
+        if (paired := direct_of(name)) is None:
             continue
         ratio, added = ms.get("tok_s_ratio"), ms.get("added_ttft_p50_ms")
-        direct = summary.get("direct/" + name.split("/", 1)[1], {})
+        direct = summary.get(paired, {})
         failed = sum(s["max"] for k in ("errors",) for s in (ms.get(k), direct.get(k)) if s)
         if ratio is None or added is None:
             lines.append(f"NONE {name}: a target served nothing")
@@ -155,6 +177,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--binary", default=None, help="llama-server to run (default: Pulse's cached build)")
     ap.add_argument("--slot-affinity", choices=["on", "off"], default="on",
                     help="off: Pulse sends no id_slot and llama-server picks each slot (workers.llama_server.slot_affinity)")
+    ap.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
+                    help="one pulse serve + llama-server per entry, these llama-server flags added (after "
+                    "--server-args), all interleaved in one run; '' is the configuration as it is")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
@@ -170,21 +195,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.out / f"logs-parity-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     log_dir.mkdir(parents=True, exist_ok=True)
     with owned_processes() as procs:
-        pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, log_dir), log_dir, procs,
-                                                              args.start_timeout)
-        paths = {"direct": [Pid(llama_pid)], "pulse": [pulse]}
-        cells = specs(args, prompt_ids(args.prompt_tokens, args.model), pulse_url, first_model(pulse_url),
-                      f"http://127.0.0.1:{llama_port}")
-        runs = {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse) for name, s in cells.items()}
+        cells, runs, servers, log_lines = {}, {}, [], []
+        ids = prompt_ids(args.prompt_tokens, args.model)
+        for v, flags in enumerate(args.variants):
+            vdir = log_dir / f"v{v}" if len(args.variants) > 1 else log_dir
+            vdir.mkdir(parents=True, exist_ok=True)
+            pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, vdir, flags), vdir, procs,
+                                                                  args.start_timeout)
+            paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
+            vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)
+            cells |= vcells
+            runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse)
+                     for name, s in vcells.items()}
+            servers.append((v, flags, llama_pid, vdir))
         records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
-        argv = Path(f"/proc/{llama_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        params = vars(args) | {"llama_server": {"pid": llama_pid, "argv": argv}, "loop": loops.resolve(args.loop)}
         summary = summarize(records, list(cells))
-        launches = server_log.summarize([launch for log in sorted(log_dir.glob("llama-server-*.log"))
-                                         for launch in server_log.parse_file(log)])
-        params["llama_server"]["launches"] = launches  # warm-up included: the whole process's life
+        params = vars(args) | {"loop": loops.resolve(args.loop), "llama_servers": []}
+        for v, flags, llama_pid, vdir in servers:
+            argv = Path(f"/proc/{llama_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            launches = server_log.summarize([launch for log in sorted(vdir.glob("llama-server-*.log"))
+                                             for launch in server_log.parse_file(log)])
+            # launches: warm-up included, the whole process's life
+            params["llama_servers"].append({"variant": v, "flags": flags, "pid": llama_pid, "argv": argv,
+                                            "launches": launches})
+            log_lines += [f"variant {v} ({flags or 'as configured'}): {line}" for line in server_log.lines(launches)]
         protocol.publish("llama_server_parity", records, summary, params, started, machine,
-                         verdict(summary) + server_log.lines(launches), TABLE_METRICS, PLOT_METRICS, args.out)
+                         verdict(summary) + log_lines, TABLE_METRICS, PLOT_METRICS, args.out)
     return 0
 
 

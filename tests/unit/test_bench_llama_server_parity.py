@@ -45,3 +45,30 @@ def test_pairs_stay_within_a_repeat_and_the_verdict_reads_the_goals():
     assert lines[0].startswith("MET  pulse/completions/greedy@1: tok/s x0.97")
     assert lines[1].startswith("MISS pulse/completions/t1@1") and lines[1].endswith("errors (worst repeat, both) 2")
     assert verdict({"pulse/chat/t1@64": {}}) == ["NONE pulse/chat/t1@64: a target served nothing"]
+
+
+def test_variants_get_their_own_targets_and_are_set_against_variant_0():
+    from bench.llama_server_parity import config_yaml, direct_of
+
+    args = _parse(["--clients", "8", "--modes", "t1exact", "--variants", "", "--cache-ram 0"])
+    assert args.variants == ["", "--cache-ram 0"]
+    v1 = specs(args, [2, 10], "http://127.0.0.1:3", "gemma", "http://127.0.0.1:4", 1)
+    assert set(v1) == {"direct.v1/completions/t1exact@8", "pulse.v1/completions/t1exact@8"}
+    assert direct_of("pulse.v1/completions/t1exact@8") == "direct.v1/completions/t1exact@8"
+    assert direct_of("direct.v1/completions/t1exact@8") is None
+    import json
+    from pathlib import Path
+    flags = json.loads(config_yaml(args, Path("/tmp"), "--cache-ram 0"))["workers"]["llama_server"]["extra_args"]
+    assert flags == ["--log-timestamps", "--cache-ram", "0"]  # after the profile's flags: the later one wins
+    records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
+               rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
+               rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),
+               rec("pulse.v1/completions/t1exact@8", 0, 750.0, 101.0, 160.0)]
+    d = {(r["config"], r["repeat"]): r["metrics"] for r in derive(records)}
+    assert d[("direct.v1/completions/t1exact@8", 0)] == {"tok_s_vs_v0": 1.5}
+    assert d[("pulse.v1/completions/t1exact@8", 0)]["tok_s_ratio"] == 1.0  # paired with its own variant's direct
+    assert d[("pulse/completions/t1exact@8", 0)]["tok_s_ratio"] == 0.9
+    lines = verdict(summarize(records, [r["config"] for r in records]))
+    assert lines[0].startswith("MISS pulse/completions/t1exact@8: tok/s x0.90")
+    assert lines[1] == "VS0  direct.v1/completions/t1exact@8: tok/s x1.50 (1.50-1.50) of variant 0's direct"
+    assert lines[2].startswith("MET  pulse.v1/completions/t1exact@8: tok/s x1.00")  # 1.00x and +1 ms: the goals
