@@ -182,7 +182,7 @@ class Engine:
         return tokens, self.sampler._logprobs(logits, tokens, rows)
 
     def append_tokens(self, seqs: list[Sequence], tokens: list[int], emitted: list[list[int]] | None,
-             logprobs: list) -> list[StepOutput]:
+                      logprobs: list) -> list[StepOutput]:
         """Append each of `tokens` to its sequence of `seqs`, finishing it on a stop token or at its token limit,
         and return their step outputs: sequence i's carries `emitted[i]` (a verify step's kept tokens, which end
         with tokens[i]), or [tokens[i]] where `emitted` is None, and `logprobs[i]`.
