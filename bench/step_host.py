@@ -85,7 +85,6 @@ def per_call_us(build, scheduled, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-
 def cell(runs: list[float]) -> str:
     runs = sorted(runs)
     return f"{runs[len(runs) // 2]:.0f} ({runs[0]:.0f}–{runs[-1]:.0f})"

@@ -44,7 +44,6 @@ def test_engine_alone_runs_every_client_request_to_its_length():
     assert not engine.has_work()
 
 
-
 def test_engine_alone_staggered_arrivals_start_each_client_later():
     """--arrivals staggered: client c's first request at step c x tokens / batch, so the run lasts that many steps
     longer than the one that starts every client at once, and still generates every token."""
