@@ -8,8 +8,9 @@ Engine.append_tokens, each sequence's sampled token appended and its StepOutput 
     git show REV:workers/cupy/engine.py > /tmp/engine_rev.py
     python -m bench.step_host --part emit --baseline /tmp/engine_rev.py
 
-Decode steps of B sequences (one new token each, `--context` tokens known, block size 16), with one KV pool
-and with two (Gemma 3's sliding-window layers: a second block table per sequence, its early blocks slid out).
+Decode steps of B sequences (one new token each, `--context` tokens known, block size 16, blocks given by a
+BlockManager), with one KV pool and with two (Gemma 3's sliding-window layers: a second block table per
+sequence, its early blocks slid out). A batch.py from before BlockTables flattens the lists as it did then.
 Prints, per batch and layout, the median (min–max over --repeats) of microseconds per call, each repeat the
 mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
 For `emit` no sequence finishes during the timing (as in ~127 of a 128-token request's 128 steps); an
@@ -18,6 +19,7 @@ engine.py from before append_tokens is timed as its step ran it then (append_tok
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 
@@ -25,23 +27,31 @@ import numpy as np
 
 from bench.machine import describe, machine_info
 from workers.cupy.batch import build_batch
+from workers.cupy.kv_cache import BlockManager, BlockTables
 from workers.cupy.sequence import Sequence
 from workers.protocol import SamplingParams
 
 BLOCK = 16
+WINDOW = 64  # two pools: the last 4 blocks of a sequence's local table are held, the earlier ones slid out
 
 
-def decode_step(batch: int, context: int, two_pools: bool) -> list[tuple[Sequence, int]]:
-    blocks = -(-(context + 1) // BLOCK)
+def decode_step(batch: int, context: int, two_pools: bool) -> tuple[list[tuple[Sequence, int]], BlockTables]:
+    """B sequences of `context` distinct tokens given blocks by a BlockManager as the engine's are (with two
+    pools, a WINDOW-token window: the early local blocks slid out), each scheduled for its last token; and
+    the manager's BlockTables (the rows build_batch gathers)."""
+    per_seq = -(-context // BLOCK)
+    local = batch * (min(per_seq, WINDOW // BLOCK + 2) + 1) if two_pools else None
+    blocks = BlockManager(batch * per_seq + 1, BLOCK, num_local=local, window=WINDOW if two_pools else None)
     out = []
     for i in range(batch):
-        seq = Sequence(request_id=str(i), token_ids=list(range(context)), max_tokens=128, sampling=SamplingParams())
+        seq = Sequence(request_id=str(i), token_ids=list(range(i * context, (i + 1) * context)), max_tokens=128,
+                       sampling=SamplingParams())
+        blocks.match_prefix(seq)
+        blocks.allocate(seq, context)
         seq.num_computed = context - 1
-        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
-        if two_pools:
-            seq.local_table = [-1] * max(0, blocks - 4) + list(range(i * 4, i * 4 + min(4, blocks)))
+        blocks.commit_full_blocks(seq)
         out.append((seq, 1))
-    return out
+    return out, blocks.tables
 
 
 def load_module(path: str, name: str):
@@ -60,7 +70,7 @@ def output_loop(engine_module):
     eng = engine_module.Engine.__new__(engine_module.Engine)  # only what the loop touches: nothing finishes
     eng.seqs, eng.constraints, eng.scheduler = {}, None, None
 
-    def run(scheduled, block_size, xp):
+    def run(scheduled, block_size, xp, tables=None):
         seqs = [seq for seq, _ in scheduled]
         tokens = list(range(1000, 1000 + len(seqs)))
         if hasattr(eng, "append_tokens"):
@@ -76,12 +86,13 @@ def output_loop(engine_module):
     return run
 
 
-def per_call_us(build, scheduled, calls: int) -> float:
+def per_call_us(build, step, calls: int) -> float:
+    scheduled, tables = step
     for _ in range(max(10, calls // 10)):
-        build(scheduled, BLOCK, np)
+        build(scheduled, BLOCK, np, tables)
     t0 = time.perf_counter()
     for _ in range(calls):
-        build(scheduled, BLOCK, np)
+        build(scheduled, BLOCK, np, tables)
     return (time.perf_counter() - t0) / calls * 1e6
 
 
@@ -106,9 +117,13 @@ def main(argv=None) -> int:
         if args.baseline:
             builds["baseline"] = output_loop(load_module(args.baseline, "engine_baseline"))
     else:
-        builds = {"this tree": build_batch}
+        builds = {"this tree": lambda s, bs, xp, tables: build_batch(s, bs, xp, tables=tables)}
         if args.baseline:
-            builds["baseline"] = load_module(args.baseline, "batch_baseline").build_batch
+            old = load_module(args.baseline, "batch_baseline").build_batch
+            if "tables" in inspect.signature(old).parameters:
+                builds["baseline"] = lambda s, bs, xp, tables: old(s, bs, xp, tables=tables)
+            else:  # from before BlockTables: the lists flattened every step
+                builds["baseline"] = lambda s, bs, xp, tables: old(s, bs, xp)
     print(describe(machine_info()))
     print("| batch | KV pools | " + " | ".join(f"{name}: {args.part} us/call, median (min–max)" for name in builds)
           + (" | this / baseline |" if args.baseline else " |"))

@@ -10,7 +10,7 @@ from workers.cupy import engine
 
 
 def test_emit_part_runs_append_tokens_and_takes_the_tokens_back():
-    step = step_host.decode_step(3, 40, two_pools=False)
+    step, _ = step_host.decode_step(3, 40, two_pools=False)
     before = [list(seq.token_ids) for seq, _ in step]
     out = step_host.output_loop(engine)(step, step_host.BLOCK, np)
     assert [o.token_ids for o in out] == [[1000], [1001], [1002]]

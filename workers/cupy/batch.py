@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from workers.cupy.sequence import Sequence
+
+if TYPE_CHECKING:
+    from workers.cupy.kv_cache import BlockTables
 
 
 @dataclass
@@ -46,12 +50,14 @@ class StepBatch:
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
-                drafts: dict[int, list[int]] | None = None) -> StepBatch:
+                drafts: dict[int, list[int]] | None = None, tables: BlockTables | None = None) -> StepBatch:
     """Inputs for running `n` new tokens of each (sequence, n); a sequence whose chunk reaches the end of
     its known tokens gets a logits row (its next token is sampled).
 
     `drafts` (speculation): {batch index: draft tokens} that follow that sequence's known tokens in this
-    step; its last known token and every draft token then get a logits row (`n` counts the drafts too)."""
+    step; its last known token and every draft token then get a logits row (`n` counts the drafts too).
+    `tables`: the BlockManager's BlockTables holding every scheduled sequence's row (the engine's steps), so
+    the block tables are one gather; without it (or for a sequence without a row) the lists are flattened."""
     # No NumPy call per sequence: the lists (tokens, block tables) are chained and scattered in one go, and
     # positions and KV slots of every token are computed once for the whole step (at 64 decoding sequences,
     # per-sequence NumPy calls cost more than the GPU's step; a per-sequence table copy was ~3/4 of this
@@ -67,10 +73,21 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     query_start = np.zeros(n_seq + 1, np.int32)
     np.cumsum(counts, out=query_start[1:])
     seq_lens = (starts + counts).astype(np.int32)
-    lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int64, n_seq)
-    max_blocks = int(lens.max())
-    tables = _scatter_rows((seq.block_table for seq in seqs), lens, max_blocks, np.int32)
-    two_pools = any(seq.local_table for seq in seqs)
+    rows = None if tables is None else np.fromiter((seq.table_row for seq in seqs), np.int64, n_seq)
+    if rows is not None and rows.min() >= 0:
+        lens = tables.lens[rows]
+        max_blocks = int(lens.max())
+        block_tables = tables.glob[rows, :max_blocks]
+        local_raw = None if tables.local is None else tables.local[rows, :max_blocks]
+        local_lens = lens
+    else:
+        lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int64, n_seq)
+        max_blocks = int(lens.max())
+        block_tables = _scatter_rows((seq.block_table for seq in seqs), lens, max_blocks, np.int32)
+        local_raw = None
+        if any(seq.local_table for seq in seqs):
+            local_lens = np.fromiter((len(seq.local_table) for seq in seqs), np.int64, n_seq)
+            local_raw = _scatter_rows((seq.local_table for seq in seqs), local_lens, max_blocks, np.int64)
     if not drafts and bool((counts == 1).all()):  # a pure decode step: each sequence's next known token
         tokens = [seq.token_ids[seq.num_computed] for seq in seqs]
     else:
@@ -92,18 +109,16 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     positions = np.repeat(starts - query_start[:-1], counts) + np.arange(total)
     block, offset = positions // block_size, positions % block_size
     assert (block < lens[row]).all(), "a token past its sequence's allocated blocks"
-    slots = tables[row, block].astype(np.int64) * block_size + offset
+    slots = block_tables[row, block].astype(np.int64) * block_size + offset
     local = {}
-    if two_pools:
-        local_lens = np.fromiter((len(seq.local_table) for seq in seqs), np.int64, n_seq)
-        local_raw = _scatter_rows((seq.local_table for seq in seqs), local_lens, max_blocks, np.int64)
+    if local_raw is not None:
         assert (block < local_lens[row]).all(), "a token past its sequence's local blocks"
-        written = local_raw[row, block]
+        written = local_raw[row, block].astype(np.int64)
         assert written.size == 0 or written.min() >= 0, "a local block the step writes was released"
         local_tables = np.maximum(local_raw, 0).astype(np.int32)
         local = {"local_slot_mapping": xp.asarray(written * block_size + offset),
                  "local_meta": AttentionMeta(query_start, seq_lens, local_tables, block_size)}
-    meta = AttentionMeta(query_start, seq_lens, tables, block_size)
+    meta = AttentionMeta(query_start, seq_lens, block_tables, block_size)
     return StepBatch(
         token_ids=xp.asarray(np.asarray(tokens, np.int32)),
         positions=xp.asarray(positions.astype(np.int32)),

@@ -114,7 +114,7 @@ class Engine:
         if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
             outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
         else:
-            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
+            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp, tables=self.blocks.tables)
             seqs = [scheduled[b][0] for b in batch.sample_rows]
             rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
             self.sampler.stage(rows)

@@ -31,6 +31,7 @@ class Sequence:
     # empty with one pool. local_start: entries before it are all -1.
     local_table: list[int] = field(default_factory=list)
     local_start: int = 0
+    table_row: int = -1  # its row in its BlockManager's BlockTables while it holds blocks, else -1
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order; preemption takes the newest first

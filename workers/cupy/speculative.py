@@ -148,7 +148,7 @@ class Speculator:
     def verify(self, engine, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]]):
         """Run the step with every draft in it; returns (outputs, prefilled token count)."""
         runs = [(seq, n + len(drafts.get(b, []))) for b, (seq, n) in enumerate(scheduled)]
-        batch = build_batch(runs, engine.blocks.block_size, engine.model.xp, drafts)
+        batch = build_batch(runs, engine.blocks.block_size, engine.model.xp, drafts, engine.blocks.tables)
         # every logits row is sampled: a drafting sequence's rows are its next tokens' draws in order
         ahead, prev = [], None
         for b in batch.sample_rows:

@@ -61,7 +61,7 @@ class OverlapEngine(Engine):
             scheduled = self._schedule_group()
             if not scheduled:
                 return
-            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp)
+            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp, tables=self.blocks.tables)
             self.model.launch(batch, self.kv, parts=1)  # the group is the micro-batch
             self._flight.append((batch, scheduled))
             self._busy.update(seq for seq, _ in scheduled)
