@@ -58,10 +58,11 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     step; its last known token and every draft token then get a logits row (`n` counts the drafts too).
     `tables`: the BlockManager's BlockTables holding every scheduled sequence's row (the engine's steps), so
     the block tables are one gather; without it (or for a sequence without a row) the lists are flattened."""
-    # No NumPy call per sequence: the lists (tokens, block tables) are chained and scattered in one go, and
-    # positions and KV slots of every token are computed once for the whole step (at 64 decoding sequences,
-    # per-sequence NumPy calls cost more than the GPU's step; a per-sequence table copy was ~3/4 of this
-    # function's ~430 us at 64 sequences on the dev box).
+    # No NumPy call per sequence: the block tables are gathered from `tables` (or, without it, the lists are
+    # chained and scattered in one go, as the step's tokens are), and positions and KV slots of every token
+    # are computed once for the whole step (at 64 decoding sequences, per-sequence NumPy calls cost more than
+    # the GPU's step; a per-sequence table copy was ~3/4 of this function's ~430 us at 64 sequences on the
+    # dev box).
     n_seq = len(scheduled)
     seqs = [seq for seq, _ in scheduled]
     counts = np.fromiter((n for _, n in scheduled), np.int64, n_seq)
