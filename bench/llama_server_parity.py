@@ -94,10 +94,10 @@ def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str, var
                               requests=max(args.min_requests, c * args.requests_per_client), timeout=args.timeout)
                 # a new connection per request to llama-server, as Pulse's backend does: cpp-httplib closes
                 # kept-alive connections under load
-                out[cell(target("direct", variant), api, mode, c)] = LoadSpec(url=direct_url, model=model, force_close=True,
-                                                             body_extra=both | direct_only, **common)
-                out[cell(target("pulse", variant), api, mode, c)] = LoadSpec(url=pulse_url, model=model, body_extra={**both},
-                                                            **common)
+                out[cell(target("direct", variant), api, mode, c)] = LoadSpec(
+                    url=direct_url, model=model, force_close=True, body_extra=both | direct_only, **common)
+                out[cell(target("pulse", variant), api, mode, c)] = LoadSpec(
+                    url=pulse_url, model=model, body_extra={**both}, **common)
     return out
 
 
@@ -135,7 +135,8 @@ def verdict(summary: dict) -> list[str]:
     lines = []
     for name, ms in summary.items():
         if (vs := ms.get("tok_s_vs_v0")) is not None:
-            lines.append(f"VS0  {name}: tok/s x{vs['median']:.2f} ({vs['min']:.2f}-{vs['max']:.2f}) of variant 0's direct")
+            lines.append(f"VS0  {name}: tok/s x{vs['median']:.2f} ({vs['min']:.2f}-{vs['max']:.2f}) "
+                         "of variant 0's direct")
         if (paired := direct_of(name)) is None:
             continue
         ratio, added = ms.get("tok_s_ratio"), ms.get("added_ttft_p50_ms")

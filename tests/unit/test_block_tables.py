@@ -63,7 +63,8 @@ def test_the_rows_follow_the_lists_and_give_the_same_step(two_pools):
     for _ in range(1500):
         op = rng.random()
         if op < 0.12 or not live:  # a new request, often sharing a prefix with earlier ones
-            prompt = rng.choice(prefixes)[: rng.randint(1, 40)] + [rng.randint(0, 999) for _ in range(rng.randint(1, 30))]
+            shared = rng.choice(prefixes)[: rng.randint(1, 40)]
+            prompt = shared + [rng.randint(0, 999) for _ in range(rng.randint(1, 30))]
             seq = Sequence(str(n_made), prompt, max_tokens=200)
             n_made += 1
             blocks.match_prefix(seq)

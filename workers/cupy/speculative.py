@@ -221,7 +221,8 @@ class Speculator:
         engine.blocks.truncate(seq, seq.num_computed + 1)
         if engine.constraints is not None:
             engine.constraints.advance([seq.request_id] * len(emitted), emitted)
-        return engine.append_tokens([seq], [emitted[-1]], [emitted], [lps])[0]  # finishes it on a stop token or at its limit
+        # finishes it on a stop token or at its limit
+        return engine.append_tokens([seq], [emitted[-1]], [emitted], [lps])[0]
 
 
 def _accept_greedy(draft: list[int], targets: list[int]) -> tuple[list[int], int]:
