@@ -10,8 +10,8 @@ detokenizer: B "clients" each send --per-client requests one after another (a cl
 clients do), the same story prompts bench/served.py sends (tokenized with the model's tokenizer, BOS first),
 `ignore_eos`, --tokens new tokens each. tok/s = generated tokens / wall seconds from the first `add` to the last
 token, prefill included: the same unit as bench/served.py's aggregate tok/s, so served / engine-alone at the same
-batch is what the serving path keeps of the engine. Wall time, host synchronised every step (the engine reads
-its chosen ids back each step). The first repeat of every cell is a discarded warm-up (graph capture, caches).
+batch is what the serving path keeps of the engine. Wall time; the engine reads its chosen ids back every step
+(with `--overlap on`, the GPU engine's default, while the next step already runs: workers/cupy/engine.py). The first repeat of every cell is a discarded warm-up (graph capture, caches).
 
 Arrivals (`--arrivals`): `together` (every client's first request at once: they then finish and resend in step,
 so one step in --tokens carries prompts; the cells bench/served.py reads) and `staggered` (client c's first
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-speculation", action="store_true", help="no speculator (as `max_draft_tokens: 0`)")
     ap.add_argument("--arrivals", nargs="+", default=["together"], choices=["together", "staggered"])
     ap.add_argument("--prefill-wait", type=int, nargs="+", help="scheduler prefill_wait_steps to run each cell at")
+    ap.add_argument("--overlap", nargs="+", choices=["on", "off"],
+                    help="run each cell with the engine's overlap on and/or off (default: as the worker builds it)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
@@ -114,32 +116,35 @@ def main(argv=None) -> int:
     waits = a.prefill_wait or [sched.prefill_wait_steps]
     default_wait = sched.prefill_wait_steps
     res["paths"] = {}
+    built_overlap = engine.overlap
+    cells = [(arrivals, wait, ov) for arrivals in a.arrivals for wait in waits for ov in (a.overlap or [None])]
     for rep in range(a.repeats + 1):  # repeat 0: the warm-up
         for s in a.sampling:
             for b in a.batches:
-                for arrivals in a.arrivals:
-                    for wait in waits:
-                        n = b * a.per_client
-                        _, texts = prompts("story", salt + n)  # fresh prompts every cell: no cached prefix carries over
-                        ids = [bos + tokenizer.encode(t, add_special_tokens=False).ids for t in texts[salt:]]
-                        salt += n
-                        sched.prefill_wait_steps = wait
-                        before, held = dict(kinds or {}), sched.held_steps
-                        generated, seconds = run_cell(engine, ids, b, a.per_client, a.tokens, SAMPLING[s],
-                                                      f"r{rep}-{s}-b{b}-{arrivals}-w{wait}", arrivals == "staggered")
-                        if generated != n * a.tokens:
-                            raise RuntimeError(f"batch {b}: {generated} tokens generated, {n * a.tokens} asked for")
-                        rate = generated / seconds
-                        key = (f"{s}/b{b}" if arrivals == "together" and wait == default_wait
-                               else f"{s}/b{b}/{arrivals}/w{wait}")
-                        paths = {k: v - before.get(k, 0) for k, v in (kinds or {}).items()}
-                        paths["held"] = sched.held_steps - held
-                        if rep:
-                            res["cells"].setdefault(key, []).append(rate)
-                            res["paths"][key] = paths
-                        print(f"{'warm-up' if not rep else f'repeat {rep}'} {key}: {rate:,.0f} tok/s, {seconds:.2f} s, "
-                              f"steps {paths}", flush=True)
-    sched.prefill_wait_steps = default_wait
+                for arrivals, wait, ov in cells:
+                    n = b * a.per_client
+                    _, texts = prompts("story", salt + n)  # fresh prompts every cell: no cached prefix carries over
+                    ids = [bos + tokenizer.encode(t, add_special_tokens=False).ids for t in texts[salt:]]
+                    salt += n
+                    sched.prefill_wait_steps = wait
+                    engine.overlap = built_overlap if ov is None else ov == "on"
+                    before, held, ahead = dict(kinds or {}), sched.held_steps, engine.steps_ahead
+                    generated, seconds = run_cell(engine, ids, b, a.per_client, a.tokens, SAMPLING[s],
+                                                  f"r{rep}-{s}-b{b}-{arrivals}-w{wait}", arrivals == "staggered")
+                    if generated != n * a.tokens:
+                        raise RuntimeError(f"batch {b}: {generated} tokens generated, {n * a.tokens} asked for")
+                    rate = generated / seconds
+                    key = (f"{s}/b{b}" if arrivals == "together" and wait == default_wait
+                           else f"{s}/b{b}/{arrivals}/w{wait}") + ("" if ov is None else f"/overlap-{ov}")
+                    paths = {k: v - before.get(k, 0) for k, v in (kinds or {}).items()}
+                    paths["held"] = sched.held_steps - held
+                    paths["ahead"] = engine.steps_ahead - ahead
+                    if rep:
+                        res["cells"].setdefault(key, []).append(rate)
+                        res["paths"][key] = paths
+                    print(f"{'warm-up' if not rep else f'repeat {rep}'} {key}: {rate:,.0f} tok/s, {seconds:.2f} s, "
+                          f"steps {paths}", flush=True)
+    sched.prefill_wait_steps, engine.overlap = default_wait, built_overlap
     res["cells"] = {k: {**spread(v), "samples": v} for k, v in res["cells"].items()}
     print(f"engine alone ({'adaptive speculation' if res['speculation'] else 'no speculation'}), setup {setup_s:.1f} s")
     for k, v in res["cells"].items():

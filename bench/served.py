@@ -181,13 +181,14 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     bases = {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
-    # pulse-w0 its own without prefill coalescing
+    # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off
     for name, process, engine, targets in (
             (args.engine_process, args.engine_process,
              {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
              [t for t in args.targets if t in ("pulse", "pulse-k0")]),
             ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
-            ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"])):
+            ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
+            ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"])):
         if not targets:
             continue
         port = free_port()
@@ -248,7 +249,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "llama"])
+                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -320,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "llama", "engine"):
+            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,

@@ -244,6 +244,8 @@ _WORKER_COUNTERS = (
     ("pulse_worker_preemptions", "Sequences preempted (KV blocks reclaimed) since the worker started.", "preemptions"),
     ("pulse_worker_backend_restarts", "Backend process restarts (llama-server) since the worker started.", "restarts"),
     ("pulse_worker_generated_tokens", "Tokens generated since the worker started.", "generated_tokens"),
+    ("pulse_worker_engine_steps_ahead", "Engine steps launched before the step before them was read (overlap).",
+     "steps_ahead"),
     ("pulse_worker_pipeline_transfer_seconds", "Time a pipelined engine spent moving activations between stages.",
      "pipeline_transfer_seconds"),
     ("pulse_worker_pipeline_transfer_bytes", "Activation bytes moved between pipeline stages.",

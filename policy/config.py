@@ -118,6 +118,12 @@ class EngineConfig(PulseModel):
         "socket), so its step thread does not share a GIL with the streams the worker serves; auto: on where the "
         "engine is on a GPU and not split into pipeline stages."
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="Launch each step before reading the one before it, the next step's inputs taken from "
+        "the draws on the device, so the host's scheduling and stream output overlap the device's step (decode "
+        "steps without logprobs, penalties, grammars or drafts); auto: on where the engine is on a GPU and not "
+        "split into pipeline stages."
+    )
     window_pool: bool = Field(
         True, description="Sliding-window layers keep only their window, in a KV pool of their own; the rest of the "
         "KV budget goes to the global layers (more context in the same memory). Off: every layer keeps every block."

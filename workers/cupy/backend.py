@@ -77,6 +77,10 @@ def build_engine(config, profile, info, block_sink: BlockSink | None = None):
         eager = {} if cfg.cuda_graphs else {"graph_sizes": (), "verify_sizes": ()}  # every step launched eagerly
         engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes, **eager)
     engine.device_name = device_name(xp)
+    # the pipeline's stages step in an engine of their own (workers/pipeline); a CPU engine draws on the host
+    # before the next step can start, so overlap only adds its bookkeeping there
+    engine.overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and xp is not np and not (
+        cfg.pipeline_stages > 1 or cfg.stages))
     wait = cfg.prefill_wait_steps
     engine.scheduler.prefill_wait_steps = profile.prefill_wait_steps if wait is None else wait
     engine.constraints = _constraints(load_tokenizer(info.path), info, xp)

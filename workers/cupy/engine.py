@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -21,6 +22,7 @@ from workers.cupy.sequence import SeqStatus, Sequence
 from workers.protocol import GenerateRequest, TokenLogprob
 
 RATE_WINDOW_S = 5.0  # tokens/s in stats are averaged over this many recent seconds
+PENDING = -1  # a token id not read yet: its step was launched, and the next one with it (Engine.step)
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -39,9 +41,24 @@ class StepOutput(msgspec.Struct, array_like=True):
     accepted_tokens: int = 0
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward (and on a GPU its draw) is launched and whose tokens are not read yet."""
+
+    seqs: list[Sequence]  # one per sample row
+    rows: list[SampleRow]
+    logits: object
+    at: list[int]  # where each sequence's token goes in its token_ids (a PENDING placeholder or the end)
+    prefilled: int
+    early: set = field(default_factory=set)  # finished by length before the read: their last token is this one
+    ready: object = None  # Sampler.hold's callable when the draws were held for a step launched after this one
+    ahead: bool = False  # launched before the step before it was read: its sequences may have ended since
+
+
 class Engine:
     def __init__(self, model, kv: KVStorage, blocks: BlockManager, scheduler: Scheduler, sampler: Sampler,
-                 eos_token_ids: tuple[int, ...], context_length: int, vocab_size: int, seed: int | None = None):
+                 eos_token_ids: tuple[int, ...], context_length: int, vocab_size: int, seed: int | None = None,
+                 overlap: bool = False):
         self.model, self.kv, self.blocks, self.scheduler, self.sampler = model, kv, blocks, scheduler, sampler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length, self.vocab_size = context_length, vocab_size
@@ -50,6 +67,10 @@ class Engine:
         self.constraints = None  # workers.cupy.constrain.Constraints: set by the backend to serve grammars
         self.speculator = None  # workers.cupy.speculative.Speculator: set by the backend to draft and verify
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
+        # launch each step before reading the one before it (step()); the GPU engine's default
+        self.overlap = overlap
+        self._ahead: _Launched | None = None  # the step launched ahead, read by the next step() call
+        self.steps_ahead = 0  # steps launched before the previous one was read (stats)
 
     @property
     def capacity_tokens(self) -> int:
@@ -97,38 +118,131 @@ class Engine:
             self.constraints.release(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return None
+        if seq.token_ids[-1] == PENDING:  # in the step launched ahead: its token there is never read
+            seq.token_ids.pop()
         self.scheduler.finish(seq, reason)
         self.blocks.flush_events()
         return self.output_for(seq, [], None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._ahead is not None or self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        """Run one step and return its outputs.
+
+        With `overlap`, a step is launched before the one before it is read: while the device computes step
+        N + 1 the host reads step N's tokens, finishes sequences and hands outputs on, and the next call
+        schedules and launches N + 2 before it waits for N + 1. Step N + 1's inputs are N's draws, which it
+        takes on the device (Sampler.hold); each sequence carries a PENDING placeholder for the token it has
+        not read yet, so scheduling, block tables and the draw's key index count it as they count any token.
+        A sequence that N finishes by length is finished before N + 1 is scheduled (its slot may take a
+        waiting request), one that N finishes on a stop token has its N + 1 row dropped when N + 1 is read
+        (its KV write there lands in blocks it gave back, before anything later on the stream reuses them).
+        Only steps whose draws the device makes are launched ahead (_launch_ahead says which)."""
         t0 = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            self.blocks.flush_events()
-            return []
-        drafts = self.speculator.propose(self, scheduled) if self.speculator is not None else None
-        if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
-            outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
-        else:
-            batch = build_batch(scheduled, self.blocks.block_size, self.model.xp, tables=self.blocks.tables)
-            seqs = [scheduled[b][0] for b in batch.sample_rows]
-            rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
-            self.sampler.stage(rows)
-            logits = self.model.forward(batch, self.kv)
+        cur, self._ahead = self._ahead, None
+        if cur is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                self.blocks.flush_events()
+                return []
+            drafts = self.speculator.propose(self, scheduled) if self.speculator is not None else None
+            if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
+                outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
+                return self._stepped(outputs, prefilled, t0)
+            cur = self._launch(scheduled)
             for seq, n in scheduled:
                 seq.num_computed += n
                 self.blocks.commit_full_blocks(seq)
-            outputs = self._sample(logits, seqs, rows=rows)
-            prefilled = batch.num_tokens - len(outputs)
+        nxt = self._launch_ahead(cur) if self.overlap else None
+        outputs = self._read(cur)
+        if nxt is not None:  # its sequences' tokens are all known now: blocks it filled can be hashed
+            for seq in nxt.seqs:
+                if seq.status is SeqStatus.RUNNING:
+                    self.blocks.commit_full_blocks(seq)
+            self._ahead = nxt
+        return self._stepped(outputs, cur.prefilled, t0)
+
+    def _stepped(self, outputs: list[StepOutput], prefilled: int, t0: float) -> list[StepOutput]:
         self.blocks.flush_events()
         emitted = self._record(outputs, prefilled)
         if self.speculator is not None:
             self.speculator.observe(emitted, prefilled, time.perf_counter() - t0)
         return outputs
+
+    def _launch(self, scheduled: list[tuple[Sequence, int]], ids=None) -> _Launched:
+        """Build and launch a step of `scheduled` (sequence, new tokens); `ids`: (the previous step's held
+        draws, {sequence: its index there}) for the sequences whose input is a PENDING token."""
+        batch = build_batch(scheduled, self.blocks.block_size, self.model.xp, tables=self.blocks.tables)
+        seqs = [scheduled[b][0] for b in batch.sample_rows]
+        if ids is not None:
+            self._take_pending(batch, scheduled, *ids)
+        rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
+        self.sampler.stage(rows)
+        logits = self.model.forward(batch, self.kv)
+        return _Launched(seqs, rows, logits, [len(s.token_ids) for s in seqs], batch.num_tokens - len(seqs))
+
+    def _take_pending(self, batch, scheduled, draws, index: dict) -> None:
+        """Put the held draws in the batch's token ids where a sequence's input is its PENDING token: on the
+        device, without the host reading them."""
+        xp = self.model.xp
+        draws = xp.asarray(draws)
+        pos = batch.meta.query_start
+        dst = [int(pos[b]) for b, (seq, _) in enumerate(scheduled) if seq in index]
+        src = [index[seq] for seq, _ in scheduled if seq in index]
+        if len(dst) == batch.num_tokens == len(draws) and src == dst:  # the same sequences in the same order
+            batch.token_ids = draws
+        else:
+            batch.token_ids[xp.asarray(np.asarray(dst, np.int64))] = xp.asarray(
+                draws[xp.asarray(np.asarray(src, np.int64))], dtype=np.int32)
+
+    def _launch_ahead(self, cur: _Launched) -> _Launched | None:
+        """Schedule and launch the step after `cur` before reading `cur`, or None (then `cur` is read as any
+        step is): only when every running sequence is in `cur`, none is constrained, penalized or asks for
+        logprobs, speculation would draft nothing, blocks suffice without preempting, and the sampler can
+        hold `cur`'s draws on the device."""
+        sched, seqs = self.scheduler, cur.seqs
+        if len(seqs) != len(sched.running) or any(s.status is not SeqStatus.RUNNING for s in seqs):
+            return None  # a running sequence mid-prefill, or one ended since: an ordinary step
+        if any(r.logprobs is not None or r.params.penalized for r in cur.rows):
+            return None
+        if self.constraints is not None and any(s.request_id in self.constraints for s in seqs):
+            return None
+        last = [len(s.token_ids) + 1 - s.num_prompt_tokens >= s.max_tokens for s in seqs]  # cur's token ends it
+        going = [s for s, end in zip(seqs, last) if not end]
+        if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
+            return None
+        need = sum(self.blocks.blocks_needed(s, 1) for s in going)
+        if not self.blocks.can_take(need):
+            return None  # the ordinary step preempts where it must
+        held = self.sampler.hold(cur.logits, cur.rows)
+        if held is None:
+            return None
+        cur.ready = held[1]
+        for s, end in zip(seqs, last):
+            if end:
+                cur.early.add(s)
+                self._finish(s, "length")  # its output comes with cur's read
+            else:
+                s.token_ids.append(PENDING)
+        scheduled = sched.schedule()
+        if not scheduled:
+            return None
+        nxt = self._launch(scheduled, (held[0], {s: i for i, s in enumerate(seqs) if not last[i]}))
+        for seq, n in scheduled:
+            seq.num_computed += n
+        nxt.ahead = True
+        self.steps_ahead += 1
+        return nxt
+
+    def _read(self, cur: _Launched) -> list[StepOutput]:
+        """`cur`'s tokens appended (or put in place of their placeholders) and its step outputs."""
+        if cur.ready is not None:
+            tokens, logprobs = cur.ready()
+        else:
+            tokens, logprobs = self.choose(cur.logits, cur.rows, [s.request_id for s in cur.seqs], seqs=cur.seqs)
+        return self.append_tokens(cur.seqs, tokens.tolist(), None, logprobs, cur.at,
+                                  cur.early if cur.ahead or cur.early else None)
 
     def _record(self, outputs: list[StepOutput], prefilled: int) -> int:
         """A finished step's generated and prefilled tokens, for rates(); returns the generated count."""
@@ -182,10 +296,15 @@ class Engine:
         return tokens, self.sampler._logprobs(logits, tokens, rows)
 
     def append_tokens(self, seqs: list[Sequence], tokens: list[int], emitted: list[list[int]] | None,
-                      logprobs: list) -> list[StepOutput]:
+                      logprobs: list, at: list[int] | None = None, early: set | None = None) -> list[StepOutput]:
         """Append each of `tokens` to its sequence of `seqs`, finishing it on a stop token or at its token limit,
         and return their step outputs: sequence i's carries `emitted[i]` (a verify step's kept tokens, which end
         with tokens[i]), or [tokens[i]] where `emitted` is None, and `logprobs[i]`.
+
+        `at[i]`: where token i goes (a PENDING placeholder, or the end) in a step read after the next one was
+        launched (step()); `early` (then not None): its sequences finished by length before this read, whose
+        token still counts; any other sequence finished since the launch (cancelled, or stopped a step ago)
+        gets no output.
 
         Once per sequence per step, so nothing is called per sequence but a finish: output_for's fields are
         filled inline (with append_token and output_for called per sequence it took 2.2x as long: 465 against
@@ -194,12 +313,18 @@ class Engine:
         add = outputs.append
         for i, (seq, token, lp) in enumerate(zip(seqs, tokens, logprobs)):
             ids = seq.token_ids
-            ids.append(token)
+            if early is not None and seq.status is SeqStatus.FINISHED and seq not in early:
+                continue
+            j = len(ids) if at is None else at[i]
+            if j == len(ids):
+                ids.append(token)
+            else:
+                ids[j] = token
             prompt = seq.num_prompt_tokens
-            n_out = len(ids) - prompt
+            n_out = j + 1 - prompt
             if token in seq.stop_token_ids:
                 self._finish(seq, "stop")
-            elif n_out >= seq.max_tokens:
+            elif n_out >= seq.max_tokens and seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "length")
             cached = seq.num_cached
             add(StepOutput(seq.request_id, [token] if emitted is None else emitted[i], lp, seq.finish_reason, prompt,
@@ -232,7 +357,8 @@ class Engine:
 
 def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, max_num_seqs: int,
                   max_step_tokens: int, context_length: int, block_sink=None, ops=None,
-                  dtype: str = "float32", seed: int | None = None, model=None, window_pool: bool = True) -> Engine:
+                  dtype: str = "float32", seed: int | None = None, model=None, window_pool: bool = True,
+                  overlap: bool = False) -> Engine:
     """An engine for the model `info` describes, with its weights (host arrays by GGUF name) on `xp`.
 
     `model`: an already built model to share (several engines over one set of device weights).
@@ -248,7 +374,7 @@ def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, 
     blocks = BlockManager.from_plan(plan, block_size, block_sink, info.chain_root)
     scheduler = Scheduler(blocks, max_num_seqs, max_step_tokens)
     return Engine(model, kv, blocks, scheduler, Sampler(xp), info.eos_token_ids, context_length,
-                  info.vocab_size, seed)
+                  info.vocab_size, seed, overlap)
 
 
 def apply_penalties(xp, logits, seqs: list[Sequence]) -> None:

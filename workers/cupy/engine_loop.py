@@ -173,4 +173,5 @@ def engine_snapshot(eng) -> dict:
         "kv_blocks_used": eng.blocks.pressure_used, "block_size": eng.blocks.block_size, "tokens_per_s": gen,
         "prefill_tokens_per_s": prefill, "preemptions": eng.scheduler.preemptions,
         "forwards_by_path": dict(getattr(eng.model, "step_kinds", None) or {}),
+        "steps_ahead": getattr(eng, "steps_ahead", 0),
     }

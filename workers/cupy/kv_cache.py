@@ -361,7 +361,10 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq, num_new_tokens)
+        return self.can_take(self.blocks_needed(seq, num_new_tokens))
+
+    def can_take(self, need: int) -> bool:
+        """Whether `need` new blocks (one per pool) are free."""
         return need <= self.glob.num_free and (self.local is None or need <= self.local.num_free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:

@@ -95,6 +95,14 @@ class Sampler:
         """The coming step's rows, one per logits row, before its forward (a device sampler draws inside
         the step); nothing to do here."""
 
+    def hold(self, logits, rows: list[SampleRow]):
+        """A step's draws for the step launched after it before they are read (engine.py, overlap): (the ids
+        as the next step's inputs take them, a callable returning sample()'s result once it is ready), or None
+        where the draws cannot be held. Here the draw is made at once; a device sampler only starts copying
+        its in-step draws back (workers/cupy/gpu GpuSampler)."""
+        tokens, logprobs = self.sample(logits, rows)
+        return tokens.astype(np.int32), lambda: (tokens, logprobs)
+
     def sample(self, logits, rows: list[SampleRow], index=None) -> tuple[np.ndarray, list]:
         """Chosen token per row (host int64 array) and, per row, its logprob entry when asked.
 

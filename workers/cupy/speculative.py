@@ -128,6 +128,34 @@ class Speculator:
         self._timed = (running, mode, sampled) if timed else None
         return drafts
 
+    def skip_drafts(self, engine, seqs: list[Sequence]) -> bool:
+        """Whether the next step of `seqs` (each decoding its next token) drafts nothing whatever their latest
+        tokens are, so it may be launched before those are read (engine.py, overlap): no rule drafts at this
+        concurrency, or the gate has drafting from the context off here and no sequence has a prediction.
+        When it does, the step is counted and timed as propose() would count and time it."""
+        running = len(engine.scheduler.running)
+        if not self.may_draft(running):
+            self._timed = None
+        else:
+            if self.gate is None:
+                return False
+            sampled = 2 * sum(not seq.sampling.greedy for seq in seqs) > len(seqs)
+            if self.gate.drafting(running, sampled):
+                return False
+            eligible = False
+            for seq in seqs:
+                spec = self._seqs.get(seq.request_id)
+                if spec is None:
+                    continue
+                if spec.drafter.prediction.size:
+                    return False  # a prediction drafts in either mode
+                eligible = eligible or choose_k(len(seq.token_ids) + 1, running, spec.workload, self.profile,
+                                                spec.cap) > 0
+            self._timed = (running, False, sampled) if eligible else None
+        self.steps_by_k[0] += len(seqs)
+        self.last_k = 0
+        return True
+
     def may_draft(self, running: int) -> bool:
         """Whether any rule of the profile's table gives K > 0 at this concurrency (choose_k's first match
         can then be positive for some context and workload); when none does, `propose` skips its per-sequence

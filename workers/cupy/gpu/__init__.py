@@ -16,6 +16,8 @@ module is CuPy.
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from workers.cupy.sampler import Sampler
@@ -43,6 +45,8 @@ class GpuSampler(Sampler):
             vocab = model.cfg.vocab_size
             kernels.draws = self.draws = DeviceDraws(rows, vocab)
         self._staged = None
+        self._held = [None, None]  # two pinned (ids, event) pairs: a step's held draws while the next is read
+        self._flip = 0
 
     def stage(self, rows):
         self._staged = None
@@ -64,6 +68,32 @@ class GpuSampler(Sampler):
                        for r, t, v in zip(rows, tokens, values)]
             return tokens, lps
         return super().sample(logits, rows, index)
+
+    def hold(self, logits, rows):
+        """The step's in-step draws for the step launched after it (engine.py, overlap): the device ids as they
+        are, and their copy to pinned host memory queued behind the step, with an event to wait on; None
+        where the step did not draw these rows itself (the host's sampler has to see the logits)."""
+        import cupy as cp
+
+        if any(r.logprobs is not None for r in rows) or not self._drawn_in_step(logits, rows, None, self._staged):
+            return None
+        chosen = self.model.last_chosen
+        n = int(chosen.shape[0])
+        # two buffers: step k's are re-used by step k + 2, held only after step k was read
+        self._flip ^= 1
+        slot = self._held[self._flip]
+        if slot is None or slot[0].size < n:
+            mem = cp.cuda.alloc_pinned_memory(4 * max(n, 1024))
+            slot = self._held[self._flip] = (np.frombuffer(mem, np.int32), cp.cuda.Event(disable_timing=True), mem)
+        host, event, _ = slot
+        stream = cp.cuda.get_current_stream()
+        cp.ascontiguousarray(chosen).data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), 4 * n, stream)
+        event.record(stream)
+
+        def ready():
+            event.synchronize()
+            return host[:n].astype(np.int64), [None] * n
+        return chosen, ready
 
     def _drawn_in_step(self, logits, rows, index, staged) -> bool:
         """Whether the step's own kernel drew exactly these rows: the very logits its forward returned, staged

@@ -48,9 +48,15 @@ class DecodeGraphs:
         # tables (g x max_blocks), with two pools followed by the local tables (G rows after the graph's G
         # global rows); a pinned host mirror
         self.inp = cp.zeros(g * (2 + max_blocks * (2 if self.two_pools else 1)), cp.int32)
-        self.host = cp.cuda.alloc_pinned_memory(self.inp.nbytes)
-        self.host_view = np.frombuffer(self.host, np.int32, self.inp.size)
-        self.host_view[:] = 0  # pinned memory comes uninitialised: padding rows must read valid ids and blocks
+        # two pinned mirrors, alternating: with the engine's overlap (engine.py) a step is loaded while the copy of
+        # the one before it may not have run yet; a mirror is written again two steps later, after the engine
+        # read the step it went with
+        self._hosts = [cp.cuda.alloc_pinned_memory(self.inp.nbytes) for _ in range(2)]
+        self._views = [np.frombuffer(h, np.int32, self.inp.size) for h in self._hosts]
+        for view in self._views:
+            view[:] = 0  # pinned memory comes uninitialised: padding rows must read valid ids and blocks
+        self._flip = 0
+        self.host, self.host_view = self._hosts[0], self._views[0]
         self.tok = self.inp[g : 2 * g]
         self.pos = cp.zeros(g, cp.int32)
         self.slots = cp.zeros(g, cp.int64)
@@ -114,6 +120,8 @@ class DecodeGraphs:
         """Stage one step's inputs (host arrays; token ids may already be on the device) on the current stream."""
         n, width = block_tables.shape
         big = self.sizes[-1]
+        self._flip ^= 1
+        self.host, self.host_view = self._hosts[self._flip], self._views[self._flip]
         h = self.host_view
         h[:big] = -1
         h[:n] = positions
@@ -123,8 +131,7 @@ class DecodeGraphs:
             h[big : big + n] = token_ids
         tables = h[2 * big : 2 * big + big * self.max_blocks].reshape(big, self.max_blocks)
         tables[:n, :width] = block_tables
-        # positions, tokens and the first g table rows only; the host buffer is reused next step, after the
-        # engine's own synchronisation on the sampled ids
+        # positions, tokens and the first g table rows only
         nbytes = 4 * (2 * big + g * self.max_blocks)
         if self.two_pools:
             base = 2 * big + g * self.max_blocks

@@ -200,8 +200,12 @@ class DeviceDraws:
         self.logprob = cp.zeros((rows,), cp.float32)
         self.part_m = cp.empty((rows, argmax_chunks(vocab)), cp.float32)
         self.part_s = cp.empty((rows, argmax_chunks(vocab)), cp.float32)
-        self._host = cp.cuda.alloc_pinned_memory(self.params.nbytes)
-        self.host = np.frombuffer(self._host, np.int32, rows * 4).reshape(rows, 4)
+        # two pinned buffers, alternating: with the engine's overlap a step is staged while the one before it may
+        # still wait for its copy to run
+        self._hosts = [cp.cuda.alloc_pinned_memory(self.params.nbytes) for _ in range(2)]
+        self._views = [np.frombuffer(h, np.int32, rows * 4).reshape(rows, 4) for h in self._hosts]
+        self._flip = 0
+        self.host = self._views[0]
 
     @staticmethod
     def pack(rows, out: np.ndarray) -> None:
@@ -211,10 +215,13 @@ class DeviceDraws:
         pack_rows(rows, out)
 
     def load(self, rows) -> None:
-        """Stage `rows` on the current stream; the pinned buffer is reused after the engine's next sync."""
+        """Stage `rows` on the current stream; a pinned buffer is reused two stages later, after the engine read
+        the step it went with."""
         n = len(rows)
         if not n:
             return
+        self._flip ^= 1
+        self.host = self._views[self._flip]
         self.pack(rows, self.host[:n])
         self.params[:n].data.copy_from_host_async(ctypes.c_void_p(self.host.ctypes.data), 16 * n,
                                                   cp.cuda.get_current_stream())

@@ -1,0 +1,138 @@
+"""The engine's overlap (engine.py, `overlap`): each step launched before the one before it is read, the next
+step's inputs taken from the held draws. On the real bundled model (NumPy, CPU), where the draw is made at once,
+so these tests check the bookkeeping (placeholders, sequences finished by length before the read, rows dropped
+after a stop token, cancellation in between, waiting requests joining a step launched ahead) against the same
+requests run one step at a time: the same tokens, the same finishes, the same usage."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from policy.profiles import DeviceProfile, SpeculationRule
+from tests.integration.engine_helpers import PROMPTS, encode, make_engine
+from workers.cupy.engine import PENDING
+from workers.cupy.speculative import Speculator
+from workers.protocol import GenerateRequest, SamplingParams
+
+T1 = SamplingParams(temperature=1.0, seed=7)
+
+
+def drive(engine, requests: list[GenerateRequest], abort_at: dict[str, int] | None = None):
+    """Step until done; `abort_at`: {request id: step count after which it is cancelled}. Returns (tokens by
+    request, final output by request)."""
+    for r in requests:
+        engine.add(r)
+    tokens, final, steps = defaultdict(list), {}, 0
+    while engine.has_work():
+        for out in engine.step():
+            assert out.request_id not in final, "output after a request's final one"
+            tokens[out.request_id] += out.token_ids
+            if out.finish_reason:
+                final[out.request_id] = out
+        steps += 1
+        for rid, at in (abort_at or {}).items():
+            if at == steps:
+                out = engine.abort(rid)
+                if out is not None:
+                    final[rid] = out
+    return dict(tokens), final
+
+
+def requests(sampling=T1, lengths=(5, 9, 3, 12, 7), **kw):
+    prompts = [encode(p) for p in PROMPTS]
+    return [GenerateRequest(request_id=f"r{i}", prompt_ids=prompts[i % len(prompts)], max_tokens=n,
+                            sampling=sampling, **({"ignore_eos": True} | kw)) for i, n in enumerate(lengths)]
+
+
+def both(reqs_fn, **engine_kw):
+    off = make_engine(**engine_kw)
+    on = make_engine(overlap=True, **engine_kw)
+    return drive(off, reqs_fn()), drive(on, reqs_fn()), on
+
+
+def same_usage(a, b):
+    assert set(a) == set(b)
+    for rid in a:
+        assert (a[rid].finish_reason, a[rid].completion_tokens, a[rid].prompt_tokens) == \
+            (b[rid].finish_reason, b[rid].completion_tokens, b[rid].prompt_tokens), rid
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), T1], ids=["greedy", "t1"])
+def test_overlap_gives_the_same_tokens_with_finishes_by_length_at_different_steps(sampling):
+    (ref, ref_final), (got, got_final), on = both(lambda: requests(sampling))
+    assert on.steps_ahead > 0, "no step was launched ahead: the test would not check anything"
+    assert got == ref
+    same_usage(ref_final, got_final)
+    assert all(len(got[r]) == got_final[r].completion_tokens for r in got)
+
+
+def test_waiting_requests_join_steps_launched_ahead():
+    """Eight requests through a 3-sequence engine: slots freed by a finish by length are taken by waiting
+    requests in the step launched ahead, and every request gets the tokens it gets one step at a time."""
+    lengths = (4, 6, 3, 9, 5, 2, 8, 4)
+    (ref, ref_final), (got, got_final), on = both(lambda: requests(T1, lengths), max_num_seqs=3)
+    assert on.steps_ahead > 0
+    assert got == ref
+    same_usage(ref_final, got_final)
+
+
+def test_a_stop_token_ends_the_request_where_it_would_have_and_drops_the_row_launched_ahead():
+    """Each request's third token (from a run one step at a time) made its stop token: with overlap the step
+    after it was already launched, and its row there is dropped: the same tokens, finish "stop"."""
+    plain = make_engine()
+    first, _ = drive(plain, requests(lengths=(10, 10, 10)))
+    stops = {rid: toks[2] for rid, toks in first.items()}
+
+    def reqs():
+        return [GenerateRequest(request_id=r.request_id, prompt_ids=r.prompt_ids, max_tokens=10, sampling=T1,
+                                stop_token_ids=[stops[r.request_id]])
+                for r in requests(lengths=(10, 10, 10))]
+    (ref, ref_final), (got, got_final), on = both(reqs)
+    assert on.steps_ahead > 0
+    assert got == ref
+    same_usage(ref_final, got_final)
+    for rid, toks in got.items():
+        assert got_final[rid].finish_reason == "stop" and toks[-1] == stops[rid] and len(toks) <= 3
+    assert not on.seqs and not on.scheduler.running and on.blocks.num_used == 0
+
+
+def test_cancelling_while_a_step_is_launched_ahead_keeps_the_others_and_the_usage_right():
+    lengths = (12, 12, 12)
+    on = make_engine(overlap=True)
+    tokens, final = drive(on, requests(lengths=lengths), abort_at={"r1": 4})
+    assert on.steps_ahead > 0
+    off = make_engine()
+    ref, _ = drive(off, requests(lengths=lengths), abort_at={"r1": 4})
+    assert tokens["r0"] == ref["r0"] and tokens["r2"] == ref["r2"]
+    assert final["r1"].finish_reason == "cancelled"
+    assert final["r1"].completion_tokens == len(tokens["r1"]), "usage counts a placeholder, or loses a token"
+    assert tokens["r1"] == ref["r1"][: len(tokens["r1"])]
+    assert all(PENDING not in s.token_ids for s in on.seqs.values())
+    assert on.blocks.num_used == 0
+
+
+def test_steps_that_need_the_host_between_them_are_not_launched_ahead():
+    """Logprobs and penalties need the host's view of each step (and grammar-constrained rows their matcher):
+    such batches run one step at a time, with the same tokens as without overlap."""
+    lp = lambda: requests(logprobs=0)  # noqa: E731
+    (ref, _), (got, _), on = both(lp)
+    assert got == ref and on.steps_ahead == 0
+    pen = lambda: requests(SamplingParams(temperature=1.0, seed=3, frequency_penalty=0.5))  # noqa: E731
+    (ref, _), (got, _), on = both(pen)
+    assert got == ref and on.steps_ahead == 0
+
+
+def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_lets_them_overlap():
+    drafting = DeviceProfile(name="k4", max_draft_tokens=4, draft_token_cost=0.0,
+                             speculation=[SpeculationRule(max_context=10**9, k=4)])
+    never = DeviceProfile(name="k0", max_draft_tokens=4, draft_token_cost=0.0,
+                          speculation=[SpeculationRule(max_context=10**9, k=0)])
+    greedy = SamplingParams(temperature=0.0)
+    ref, _ = drive(make_engine(), requests(greedy))
+    for profile, ahead in ((drafting, False), (never, True)):
+        on = make_engine(overlap=True)
+        on.speculator = Speculator(profile)
+        got, _ = drive(on, requests(greedy))
+        assert got == ref
+        assert (on.steps_ahead > 0) is ahead, profile.name
