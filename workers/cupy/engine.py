@@ -183,18 +183,20 @@ class Engine:
         return _Launched(seqs, rows, logits, [len(s.token_ids) for s in seqs], batch.num_tokens - len(seqs))
 
     def _take_pending(self, batch, scheduled, draws, index: dict) -> None:
-        """Put the held draws in the batch's token ids where a sequence's input is its PENDING token: on the
-        device, without the host reading them."""
-        xp = self.model.xp
+        """Put the held draws in the batch's token ids where a sequence's input is its PENDING token, in the
+        sampler's array module: on the device with a device sampler, without the host reading them (the GPU
+        model takes device token ids as they are)."""
+        xp = self.sampler.xp
         draws = xp.asarray(draws)
         pos = batch.meta.query_start
         dst = [int(pos[b]) for b, (seq, _) in enumerate(scheduled) if seq in index]
         src = [index[seq] for seq, _ in scheduled if seq in index]
         if len(dst) == batch.num_tokens == len(draws) and src == dst:  # the same sequences in the same order
             batch.token_ids = draws
-        else:
-            batch.token_ids[xp.asarray(np.asarray(dst, np.int64))] = xp.asarray(
-                draws[xp.asarray(np.asarray(src, np.int64))], dtype=np.int32)
+            return
+        tokens = xp.asarray(batch.token_ids)
+        tokens[xp.asarray(np.asarray(dst, np.int64))] = draws[xp.asarray(np.asarray(src, np.int64))]
+        batch.token_ids = tokens
 
     def _launch_ahead(self, cur: _Launched) -> _Launched | None:
         """Schedule and launch the step after `cur` before reading `cur`, or None (then `cur` is read as any
