@@ -136,3 +136,21 @@ def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_let
         got, _ = drive(on, requests(greedy))
         assert got == ref
         assert (on.steps_ahead > 0) is ahead, profile.name
+
+
+def test_the_prefix_cache_gets_the_same_blocks_with_chunked_prompts_joining_steps_launched_ahead():
+    """A small step budget chunks the prompts of requests that join steps launched ahead: every block each run
+    filled is hashed into the prefix cache (and announced) as one step at a time does it."""
+    lengths = (20, 3, 17, 5, 30, 9)
+
+    def added(engine_kw):
+        events = []
+        engine = make_engine(block_sink=events.append, max_num_seqs=2, max_step_tokens=24, **engine_kw)
+        tokens, _ = drive(engine, requests(T1, lengths))
+        return tokens, {h for e in events if e.kind == "added" for h in e.hashes}, engine
+
+    ref, ref_added, _ = added({})
+    got, got_added, on = added({"overlap": True})
+    assert on.steps_ahead > 0
+    assert got == ref
+    assert got_added == ref_added and ref_added

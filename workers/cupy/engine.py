@@ -53,6 +53,7 @@ class _Launched:
     early: set = field(default_factory=set)  # finished by length before the read: their last token is this one
     ready: object = None  # Sampler.hold's callable when the draws were held for a step launched after this one
     ahead: bool = False  # launched before the step before it was read: its sequences may have ended since
+    ran: list[Sequence] = field(default_factory=list)  # every sequence in the step (prefill chunks too)
 
 
 class Engine:
@@ -70,6 +71,8 @@ class Engine:
         # launch each step before reading the one before it (step()); the GPU engine's default
         self.overlap = overlap
         self._ahead: _Launched | None = None  # the step launched ahead, read by the next step() call
+        # requests whose every step needs the host between steps (logprobs, penalties, a grammar): never ahead
+        self._host_bound: set[str] = set()
         self.steps_ahead = 0  # steps launched before the previous one was read (stats)
 
     @property
@@ -108,12 +111,15 @@ class Engine:
                 self.constraints.advance([seq.request_id], [token])
         if self.speculator is not None:
             self.speculator.attach(seq, request)
+        if request.logprobs is not None or request.sampling.penalized or request.grammar is not None:
+            self._host_bound.add(seq.request_id)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str, reason: str = "cancelled") -> StepOutput | None:
         seq = self.seqs.pop(request_id, None)
+        self._host_bound.discard(request_id)
         if self.constraints is not None:
             self.constraints.release(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
@@ -153,13 +159,11 @@ class Engine:
             cur = self._launch(scheduled)
             for seq, n in scheduled:
                 seq.num_computed += n
-                self.blocks.commit_full_blocks(seq)
+            self.blocks.commit_steps(cur.ran)
         nxt = self._launch_ahead(cur) if self.overlap else None
         outputs = self._read(cur)
         if nxt is not None:  # its sequences' tokens are all known now: blocks it filled can be hashed
-            for seq in nxt.seqs:
-                if seq.status is SeqStatus.RUNNING:
-                    self.blocks.commit_full_blocks(seq)
+            self.blocks.commit_steps([seq for seq in nxt.ran if seq.status is SeqStatus.RUNNING])
             self._ahead = nxt
         return self._stepped(outputs, cur.prefilled, t0)
 
@@ -180,7 +184,8 @@ class Engine:
         rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
         self.sampler.stage(rows)
         logits = self.model.forward(batch, self.kv)
-        return _Launched(seqs, rows, logits, [len(s.token_ids) for s in seqs], batch.num_tokens - len(seqs))
+        return _Launched(seqs, rows, logits, [len(s.token_ids) for s in seqs], batch.num_tokens - len(seqs),
+                         ran=[seq for seq, _ in scheduled])
 
     def _take_pending(self, batch, scheduled, draws, index: dict) -> None:
         """Put the held draws in the batch's token ids where a sequence's input is its PENDING token, in the
@@ -206,15 +211,14 @@ class Engine:
         sched, seqs = self.scheduler, cur.seqs
         if len(seqs) != len(sched.running) or any(s.status is not SeqStatus.RUNNING for s in seqs):
             return None  # a running sequence mid-prefill, or one ended since: an ordinary step
-        if any(r.logprobs is not None or r.params.penalized for r in cur.rows):
-            return None
-        if self.constraints is not None and any(s.request_id in self.constraints for s in seqs):
+        if self._host_bound and any(s.request_id in self._host_bound for s in seqs):
             return None
         last = [len(s.token_ids) + 1 - s.num_prompt_tokens >= s.max_tokens for s in seqs]  # cur's token ends it
         going = [s for s, end in zip(seqs, last) if not end]
         if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
             return None
-        need = sum(self.blocks.blocks_needed(s, 1) for s in going)
+        bs = self.blocks.block_size  # blocks_needed(s, 1), inline: a new block where the next position starts one
+        need = sum(1 for s in going if s.num_computed >= len(s.block_table) * bs)
         if not self.blocks.can_take(need):
             return None  # the ordinary step preempts where it must
         held = self.sampler.hold(cur.logits, cur.rows)
@@ -337,6 +341,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
+        self._host_bound.discard(seq.request_id)
         if self.constraints is not None:
             self.constraints.release(seq.request_id)
 

@@ -375,6 +375,18 @@ class BlockManager:
                 seq.local_table.append(self.local.take())
             self.tables.append(seq)
 
+    def commit_steps(self, seqs) -> None:
+        """commit_full_blocks for each of `seqs` after a step, called only where it has work: a block filled, or
+        a local block slid out of the window (one step in 16; the call per sequence per step cost more than the
+        check)."""
+        bs, local = self.block_size, self.local
+        window = self.window if local is not None else 0
+        for seq in seqs:
+            n = seq.num_computed
+            if n // bs > len(seq.block_hashes) or (
+                    local is not None and max(0, n - window + 1) // bs > seq.local_start):
+                self.commit_full_blocks(seq)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that this step filled, so later requests can reuse them; then give back
         the local blocks no later query of `seq` reads."""
@@ -394,8 +406,9 @@ class BlockManager:
                 self._added.append(h)
             if self.local is not None and seq.local_table[i] >= 0:
                 self.local.register(seq.local_table[i], h, key)
-        # most steps nothing slid out (a block per 16 tokens): checked here, not by a call to _slide
-        if self.local is not None and self.first_needed(seq.num_computed) > seq.local_start:
+        # most steps nothing slid out (a block per 16 tokens): checked here, first_needed inlined, not by a call to
+        # _slide (once per sequence per step)
+        if self.local is not None and max(0, seq.num_computed - self.window + 1) // bs > seq.local_start:
             self._slide(seq)
 
     def _slide(self, seq: Sequence) -> None:
