@@ -193,14 +193,16 @@ class Engine:
         model takes device token ids as they are)."""
         xp = self.sampler.xp
         draws = xp.asarray(draws)
-        pos = batch.meta.query_start
-        dst = [int(pos[b]) for b, (seq, _) in enumerate(scheduled) if seq in index]
-        src = [index[seq] for seq, _ in scheduled if seq in index]
-        if len(dst) == batch.num_tokens == len(draws) and src == dst:  # the same sequences in the same order
+        src = [index.get(seq, -1) for seq, _ in scheduled]  # the sequence's row in the held draws, or -1
+        n = len(src)
+        if n == batch.num_tokens == len(draws) and src == list(range(n)):  # the same sequences in the same order
             batch.token_ids = draws
             return
+        src = np.asarray(src, np.int64)
+        pending = src >= 0
+        dst = batch.meta.query_start[:-1][pending].astype(np.int64)  # each pending sequence's one query row
         tokens = xp.asarray(batch.token_ids)
-        tokens[xp.asarray(np.asarray(dst, np.int64))] = draws[xp.asarray(np.asarray(src, np.int64))]
+        tokens[xp.asarray(dst)] = draws[xp.asarray(src[pending])]
         batch.token_ids = tokens
 
     def _launch_ahead(self, cur: _Launched) -> _Launched | None:
@@ -209,32 +211,41 @@ class Engine:
         logprobs, speculation would draft nothing, blocks suffice without preempting, and the sampler can
         hold `cur`'s draws on the device."""
         sched, seqs = self.scheduler, cur.seqs
-        if len(seqs) != len(sched.running) or any(s.status is not SeqStatus.RUNNING for s in seqs):
-            return None  # a running sequence mid-prefill, or one ended since: an ordinary step
+        if len(seqs) != len(sched.running):
+            return None  # a running sequence mid-prefill: an ordinary step
         if self._host_bound and any(s.request_id in self._host_bound for s in seqs):
             return None
-        last = [len(s.token_ids) + 1 - s.num_prompt_tokens >= s.max_tokens for s in seqs]  # cur's token ends it
-        going = [s for s, end in zip(seqs, last) if not end]
+        # one pass (per sequence per step): which sequences cur's token ends by length, which go on (their row in
+        # cur's draws), and the new blocks those need (blocks_needed(s, 1) inline: where the next position
+        # starts one)
+        bs, running = self.blocks.block_size, SeqStatus.RUNNING
+        going, ended, index, need = [], [], {}, 0
+        for i, s in enumerate(seqs):
+            if s.status is not running:
+                return None  # ended since cur was launched: an ordinary step
+            if len(s.token_ids) + 1 - s.num_prompt_tokens >= s.max_tokens:
+                ended.append(s)
+            else:
+                going.append(s)
+                index[s] = i
+                need += s.num_computed >= len(s.block_table) * bs
         if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
             return None
-        bs = self.blocks.block_size  # blocks_needed(s, 1), inline: a new block where the next position starts one
-        need = sum(1 for s in going if s.num_computed >= len(s.block_table) * bs)
         if not self.blocks.can_take(need):
             return None  # the ordinary step preempts where it must
         held = self.sampler.hold(cur.logits, cur.rows)
         if held is None:
             return None
         cur.ready = held[1]
-        for s, end in zip(seqs, last):
-            if end:
-                cur.early.add(s)
-                self._finish(s, "length")  # its output comes with cur's read
-            else:
-                s.token_ids.append(PENDING)
+        for s in ended:
+            cur.early.add(s)
+            self._finish(s, "length")  # its output comes with cur's read
+        for s in going:
+            s.token_ids.append(PENDING)
         scheduled = sched.schedule()
         if not scheduled:
             return None
-        nxt = self._launch(scheduled, (held[0], {s: i for i, s in enumerate(seqs) if not last[i]}))
+        nxt = self._launch(scheduled, (held[0], index))
         for seq, n in scheduled:
             seq.num_computed += n
         nxt.ahead = True
