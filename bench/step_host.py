@@ -11,6 +11,8 @@ Engine.append_tokens, each sequence's sampled token appended and its StepOutput 
 Decode steps of B sequences (one new token each, `--context` tokens known, block size 16, blocks given by a
 BlockManager), with one KV pool and with two (Gemma 3's sliding-window layers: a second block table per
 sequence, its early blocks slid out). A batch.py from before BlockTables flattens the lists as it did then.
+`--part step`: a whole Engine.step() over a model that costs nothing (a test double isolating the host work),
+with workers.engine.overlap on (this tree's column) and off (the baseline column).
 Prints, per batch and layout, the median (min–max over --repeats) of microseconds per call, each repeat the
 mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
 For `emit` no sequence finishes during the timing (as in ~127 of a 128-token request's 128 steps); an
@@ -86,6 +88,51 @@ def output_loop(engine_module):
     return run
 
 
+class FreeModel:
+    """A model whose forward costs nothing: the step's host work alone (`--part step`). One fixed token wins."""
+
+    xp = np
+    vocab = 512
+
+    def forward(self, batch, kv):
+        out = np.zeros((int(batch.logits_indices.shape[0]), self.vocab), np.float32)
+        out[:, 7] = 1.0
+        return out
+
+
+def whole_step(batch: int, context: int, two_pools: bool, overlap: bool):
+    """A (scheduled, block_size, xp, tables) -> outputs callable: one Engine.step() of an engine over FreeModel
+    with `batch` sequences decoding (never finishing), its sampler staging and packing the draws' parameters as
+    the GPU sampler does (the draw itself: one argmax), `overlap` as workers.engine.overlap."""
+    from workers.cupy.engine import Engine
+    from workers.cupy.sampler import Sampler, pack_rows
+    from workers.cupy.scheduler import Scheduler
+    from workers.protocol import GenerateRequest
+
+    class StagingSampler(Sampler):
+        def __init__(self):
+            super().__init__(np)
+            self.packed = np.zeros((batch, 4), np.int32)
+
+        def stage(self, rows):
+            pack_rows(rows, self.packed[: len(rows)])
+
+        def sample(self, logits, rows, index=None):
+            return np.argmax(logits, axis=1).astype(np.int64), [None] * len(rows)
+
+    per_seq = -(-(context + 4096) // BLOCK)
+    local = batch * (WINDOW // BLOCK + 3) if two_pools else None
+    blocks = BlockManager(batch * per_seq + 1, BLOCK, num_local=local, window=WINDOW if two_pools else None)
+    eng = Engine(FreeModel(), None, blocks, Scheduler(blocks, batch, max(2048, batch)), StagingSampler(), (1,),
+                 1 << 20, FreeModel.vocab, 0, overlap)
+    for i in range(batch):
+        eng.add(GenerateRequest(request_id=str(i), prompt_ids=[2 + (i + j) % 500 for j in range(context)],
+                                max_tokens=1 << 20, sampling=SamplingParams(temperature=1.0), ignore_eos=True))
+    while any(seq.num_computed < seq.num_prompt_tokens for seq in eng.seqs.values()):
+        eng.step()
+    return lambda scheduled, block_size, xp, tables=None: eng.step()
+
+
 def per_call_us(build, step, calls: int) -> float:
     scheduled, tables = step
     for _ in range(max(10, calls // 10)):
@@ -107,11 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--part", choices=["build_batch", "emit"], default="build_batch")
+    ap.add_argument("--part", choices=["build_batch", "emit", "step"], default="build_batch", help=(
+        "step: a whole Engine.step() over a model that costs nothing, with workers.engine.overlap on and off "
+        "(the baseline column is overlap off)"))
     ap.add_argument("--baseline", help="another batch.py (--part build_batch) or engine.py (--part emit), e.g. from "
                     "`git show REV:workers/cupy/batch.py`, timed beside this one, repeat by repeat")
     args = ap.parse_args(argv)
-    if args.part == "emit":
+    if args.part == "step":
+        builds = {"this tree": None, "baseline": None}  # overlap on and off: built per batch and layout, below
+        args.baseline = args.baseline or "overlap off"
+    elif args.part == "emit":
         from workers.cupy import engine
         builds = {"this tree": output_loop(engine)}
         if args.baseline:
@@ -131,6 +183,9 @@ def main(argv=None) -> int:
     for batch in args.batches:
         for two in (False, True):
             step = decode_step(batch, args.context, two)
+            if args.part == "step":
+                builds = {"this tree": whole_step(batch, args.context, two, True),
+                          "baseline": whole_step(batch, args.context, two, False)}
             runs: dict[str, list[float]] = {name: [] for name in builds}
             for _ in range(args.repeats):  # interleaved: the box's load moves both alike
                 for name, build in builds.items():

@@ -26,3 +26,12 @@ def test_a_baseline_engine_file_is_timed_beside_this_tree(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 2 and all(len(r.split("|")) == 7 for r in rows)  # batch, pools, two timings, ratio
     assert step_host.main(["--batches", "4", "--repeats", "1", "--calls", "2"]) == 0
+
+
+def test_the_step_part_runs_whole_engine_steps_with_overlap_on_and_off(capsys):
+    on = step_host.whole_step(3, 40, two_pools=True, overlap=True)
+    outs = [on(None, step_host.BLOCK, np) for _ in range(4)]
+    assert [len(o) for o in outs] == [3, 3, 3, 3] and all(t.token_ids == [7] for o in outs for t in o)
+    assert step_host.main(["--part", "step", "--batches", "4", "--repeats", "1", "--calls", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
+    assert len(rows) == 2 and all(len(r.split("|")) == 7 for r in rows)
