@@ -11,8 +11,7 @@ depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_token
 `pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for
 `pulse`, the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like
 `pulse` with `workers.engine.overlap: off`: each engine step read before the next is launched), `llama`
-(llama-server started directly
-with the device profile's flags, -ngl 99 and one slot per client).
+(llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
 Sampling: `greedy` (temperature 0) and `t1` (temperature 1, no top_k / top_p: OpenAI's default).
