@@ -141,3 +141,12 @@ def test_engine_rows_carry_the_packing_each_row_gives_alone():
     assert got[:, 3].tolist() == [0, 1, 1, 0, 1, 1, 0]
     for r, s, a in zip(rows, seqs, [0, 1, 0, 2, 0, 0, 3]):
         assert r.key == row_key(s.seed, s.num_output + a) and r.params is s.sampling and r.logprobs == s.logprobs
+    # the same sequences a token later (the engine keeps their fixed inputs between such calls): as computed afresh
+    engine = Engine.__new__(Engine)
+    first = engine.sample_rows(seqs)
+    for s in seqs:
+        s.token_ids.append(3)
+    again, fresh = engine.sample_rows(seqs), Engine.sample_rows(Engine.__new__(Engine), list(seqs))
+    assert (again.packed == fresh.packed).all() and not (again.packed == first.packed).all()
+    assert [r.key for r in again] == [row_key(s.seed, s.num_output) for s in seqs]
+    assert [(r.params, r.logprobs) for r in again] == [(s.sampling, s.logprobs) for s in seqs]

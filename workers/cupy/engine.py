@@ -57,6 +57,8 @@ class _Launched:
 
 
 class Engine:
+    _row_inputs = None  # sample_rows' per-sequence inputs for its last list of sequences
+
     def __init__(self, model, kv: KVStorage, blocks: BlockManager, scheduler: Scheduler, sampler: Sampler,
                  eos_token_ids: tuple[int, ...], context_length: int, vocab_size: int, seed: int | None = None,
                  overlap: bool = False):
@@ -274,12 +276,22 @@ class Engine:
         """The sampler's row for each of `seqs`' next generated token (number num_output, plus its `ahead`
         offset where given: a verify step's drafted positions), the keys computed for all rows at once."""
         n = len(seqs)
-        mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
-        index = (np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n)  # num_output, without the property
-                 - np.fromiter((s.num_prompt_tokens for s in seqs), np.uint64, n))
+        # what does not change while a sequence lives (its seed's key, prompt length, sampling and logprobs ask),
+        # kept for the last list of sequences: most steps draw for the same sequences as the one before
+        cached = self._row_inputs
+        if cached is not None and cached[0] == seqs:  # list equality: identity first, per element
+            _, mixed, prompt, params, logprobs, packed = cached
+        else:
+            mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
+            prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.uint64, n)
+            params, logprobs, packed = [s.sampling for s in seqs], [s.logprobs for s in seqs], None
+        index = np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n) - prompt  # num_output, no property
         if ahead is not None:
             index += np.asarray(ahead, np.uint64)
-        return packed_rows([s.sampling for s in seqs], [s.logprobs for s in seqs], *index_keys(mixed, index))
+        rows = packed_rows(params, logprobs, *index_keys(mixed, index), packed)
+        if packed is None:
+            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, rows.packed)
+        return rows
 
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:

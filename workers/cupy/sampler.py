@@ -68,21 +68,25 @@ def pack_rows(rows, out: np.ndarray) -> None:
     out[:, 3] = np.fromiter((r.logprobs is not None for r in rows), np.int32, n)
 
 
-def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray) -> SampleRows:
+def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray,
+                like: np.ndarray | None = None) -> SampleRows:
     """SampleRows for rows with these sampling params, logprobs asks and key words (rng.index_keys), packed
-    as they are built."""
+    as they are built. `like`: the packing of an earlier call with the same params and logprobs asks, whose
+    temperature and logprob columns are taken as they are."""
     n = len(params)
     rows = SampleRows(map(SampleRow, params, zip(lo.tolist(), hi.tolist()), logprobs))
-    packed = np.empty((n, 4), np.int32)
+    packed = np.empty((n, 4), np.int32) if like is None else like.copy()
     packed[:, 0] = lo.view(np.int32)
     packed[:, 1] = hi.view(np.int32)
+    rows.packed = packed
+    if like is not None:
+        return rows
     # SampleRow.inv_temperature for all rows at once: 1/T in double rounded to float32, 0 where greedy
     temps = np.fromiter((p.temperature for p in params), np.float64, n)
     greedy = np.fromiter((p.greedy for p in params), bool, n)  # SamplingParams' own rule, not a copy of it
     with np.errstate(divide="ignore"):
         packed[:, 2] = np.where(greedy, 0.0, 1.0 / temps).astype(np.float32).view(np.int32)
     packed[:, 3] = np.fromiter((lp is not None for lp in logprobs), np.int32, n)
-    rows.packed = packed
     return rows
 
 
