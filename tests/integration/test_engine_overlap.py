@@ -154,3 +154,15 @@ def test_the_prefix_cache_gets_the_same_blocks_with_chunked_prompts_joining_step
     assert on.steps_ahead > 0
     assert got == ref
     assert got_added == ref_added and ref_added
+
+
+def test_speculation_state_of_ended_requests_is_dropped_while_steps_run_ahead():
+    """Steps launched ahead never call propose(); the speculator still forgets requests that ended, so its state
+    stays bounded by the running batch however many requests pass through."""
+    never = DeviceProfile(name="k0", max_draft_tokens=4, draft_token_cost=0.0,
+                          speculation=[SpeculationRule(max_context=10**9, k=0)])
+    on = make_engine(overlap=True, max_num_seqs=3)
+    on.speculator = spec = Speculator(never)
+    drive(on, requests(lengths=(3, 4, 2, 5, 3, 2, 4, 3, 2, 5, 3, 4)))
+    assert on.steps_ahead > 10
+    assert len(spec._seqs) <= 3, f"{len(spec._seqs)} requests' speculation state kept after they ended"

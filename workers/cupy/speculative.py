@@ -79,8 +79,7 @@ class Speculator:
 
     def propose(self, engine, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """{batch index: draft} for this step's decoding sequences; their KV blocks are allocated."""
-        for rid in [r for r in self._seqs if r not in engine.seqs]:  # finished or aborted since
-            del self._seqs[rid]
+        self._forget_ended(engine)
         running = len(engine.scheduler.running)
         if not self.may_draft(running):  # no rule drafts at this concurrency: K is 0 for every sequence
             self._timed = None
@@ -133,6 +132,7 @@ class Speculator:
         tokens are, so it may be launched before those are read (engine.py, overlap): no rule drafts at this
         concurrency, or the gate has drafting from the context off here and no sequence has a prediction.
         When it does, the step is counted and timed as propose() would count and time it."""
+        self._forget_ended(engine)  # steps launched ahead may follow each other without a propose() between
         running = len(engine.scheduler.running)
         if not self.may_draft(running):
             self._timed = None
@@ -155,6 +155,10 @@ class Speculator:
         self.steps_by_k[0] += len(seqs)
         self.last_k = 0
         return True
+
+    def _forget_ended(self, engine) -> None:
+        for rid in [r for r in self._seqs if r not in engine.seqs]:  # finished or aborted since
+            del self._seqs[rid]
 
     def may_draft(self, running: int) -> bool:
         """Whether any rule of the profile's table gives K > 0 at this concurrency (choose_k's first match
