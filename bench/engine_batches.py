@@ -11,7 +11,8 @@ clients do), the same story prompts bench/served.py sends (tokenized with the mo
 `ignore_eos`, --tokens new tokens each. tok/s = generated tokens / wall seconds from the first `add` to the last
 token, prefill included: the same unit as bench/served.py's aggregate tok/s, so served / engine-alone at the same
 batch is what the serving path keeps of the engine. Wall time; the engine reads its chosen ids back every step
-(with `--overlap on`, the GPU engine's default, while the next step already runs: workers/cupy/engine.py). The first repeat of every cell is a discarded warm-up (graph capture, caches).
+(with `--overlap on`, the GPU engine's default, while the next step already runs: workers/cupy/engine.py). The
+first repeat of every cell is a discarded warm-up (graph capture, caches).
 
 Arrivals (`--arrivals`): `together` (every client's first request at once: they then finish and resend in step,
 so one step in --tokens carries prompts; the cells bench/served.py reads) and `staggered` (client c's first

@@ -48,8 +48,10 @@ class _Launched:
     seqs: list[Sequence]  # one per sample row
     rows: list[SampleRow]
     logits: object
-    at: list[int]  # where each sequence's token goes in its token_ids (a PENDING placeholder or the end)
     prefilled: int
+    # where each sequence's token goes in its token_ids once a step launched after this one gave it a PENDING
+    # placeholder there (_launch_ahead); None: at the end
+    at: list[int] | None = None
     early: set = field(default_factory=set)  # finished by length before the read: their last token is this one
     ready: object = None  # Sampler.hold's callable when the draws were held for a step launched after this one
     ahead: bool = False  # launched before the step before it was read: its sequences may have ended since
@@ -159,8 +161,6 @@ class Engine:
                 outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
                 return self._stepped(outputs, prefilled, t0)
             cur = self._launch(scheduled)
-            for seq, n in scheduled:
-                seq.num_computed += n
             self.blocks.commit_steps(cur.ran)
         nxt = self._launch_ahead(cur) if self.overlap else None
         outputs = self._read(cur)
@@ -186,8 +186,9 @@ class Engine:
         rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
         self.sampler.stage(rows)
         logits = self.model.forward(batch, self.kv)
-        return _Launched(seqs, rows, logits, [len(s.token_ids) for s in seqs], batch.num_tokens - len(seqs),
-                         ran=[seq for seq, _ in scheduled])
+        for seq, n in scheduled:
+            seq.num_computed += n
+        return _Launched(seqs, rows, logits, batch.num_tokens - len(seqs), ran=[seq for seq, _ in scheduled])
 
     def _take_pending(self, batch, scheduled, draws, index: dict) -> None:
         """Put the held draws in the batch's token ids where a sequence's input is its PENDING token, in the
@@ -221,11 +222,12 @@ class Engine:
         # cur's draws), and the new blocks those need (blocks_needed(s, 1) inline: where the next position
         # starts one)
         bs, running = self.blocks.block_size, SeqStatus.RUNNING
-        going, ended, index, need = [], [], {}, 0
+        going, ended, index, at, need = [], [], {}, [], 0
         for i, s in enumerate(seqs):
             if s.status is not running:
                 return None  # ended since cur was launched: an ordinary step
-            if len(s.token_ids) + 1 - s.num_prompt_tokens >= s.max_tokens:
+            at.append(len(s.token_ids))  # where cur's token goes: the placeholder appended below, or the end
+            if at[-1] + 1 - s.num_prompt_tokens >= s.max_tokens:
                 ended.append(s)
             else:
                 going.append(s)
@@ -238,7 +240,7 @@ class Engine:
         held = self.sampler.hold(cur.logits, cur.rows)
         if held is None:
             return None
-        cur.ready = held[1]
+        cur.ready, cur.at = held[1], at
         for s in ended:
             cur.early.add(s)
             self._finish(s, "length")  # its output comes with cur's read
@@ -248,8 +250,6 @@ class Engine:
         if not scheduled:
             return None
         nxt = self._launch(scheduled, (held[0], index))
-        for seq, n in scheduled:
-            seq.num_computed += n
         nxt.ahead = True
         self.steps_ahead += 1
         return nxt

@@ -383,7 +383,7 @@ class BlockManager:
         window = self.window if local is not None else 0
         for seq in seqs:
             n = seq.num_computed
-            if n // bs > len(seq.block_hashes) or (
+            if n // bs > len(seq.block_hashes) or (  # first_needed(n), inline
                     local is not None and max(0, n - window + 1) // bs > seq.local_start):
                 self.commit_full_blocks(seq)
 
@@ -406,9 +406,8 @@ class BlockManager:
                 self._added.append(h)
             if self.local is not None and seq.local_table[i] >= 0:
                 self.local.register(seq.local_table[i], h, key)
-        # most steps nothing slid out (a block per 16 tokens): checked here, first_needed inlined, not by a call to
-        # _slide (once per sequence per step)
-        if self.local is not None and max(0, seq.num_computed - self.window + 1) // bs > seq.local_start:
+        # most steps nothing slid out (a block per 16 tokens): checked here, not by a call to _slide
+        if self.local is not None and self.first_needed(seq.num_computed) > seq.local_start:
             self._slide(seq)
 
     def _slide(self, seq: Sequence) -> None:
