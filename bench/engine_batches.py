@@ -19,7 +19,9 @@ so one step in --tokens carries prompts; the cells bench/served.py reads) and `s
 request at step c x tokens / B, so the B streams are spread over a request's lifetime, as served clients end up:
 about B / tokens prompts arrive each step). `--prefill-wait` runs each cell at these scheduler
 `prefill_wait_steps` (prefill coalescing, workers/cupy/scheduler.py; default: the profile's). Each cell reports
-its steps by path on the GPU (graph / verify / eager forwards) and the steps a prompt was held back.
+its steps by path on the GPU (graph / verify / mixed / eager forwards) and the steps a prompt was held back.
+`--mixed on off` runs each cell with steps that carry prompt chunks replaying the verify graphs (the default) and
+launched eagerly, interleaved (workers/cupy/gpu/verify.py).
 """
 from __future__ import annotations
 
@@ -104,6 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-wait", type=int, nargs="+", help="scheduler prefill_wait_steps to run each cell at")
     ap.add_argument("--overlap", nargs="+", choices=["on", "off"],
                     help="run each cell with the engine's overlap on and/or off (default: as the worker builds it)")
+    ap.add_argument("--mixed", nargs="+", choices=["on", "off"],
+                    help="run each cell with the GPU model's mixed graphs (steps with prompt chunks replaying the "
+                    "verify graphs) on and/or off (default: as the worker builds it)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
@@ -117,18 +122,21 @@ def main(argv=None) -> int:
     waits = a.prefill_wait or [sched.prefill_wait_steps]
     default_wait = sched.prefill_wait_steps
     res["paths"] = {}
-    built_overlap = engine.overlap
-    cells = [(arrivals, wait, ov) for arrivals in a.arrivals for wait in waits for ov in (a.overlap or [None])]
+    built_overlap, built_mixed = engine.overlap, getattr(engine.model, "mixed_graphs", None)
+    cells = [(arrivals, wait, ov, mx) for arrivals in a.arrivals for wait in waits for ov in (a.overlap or [None])
+             for mx in (a.mixed or [None])]
     for rep in range(a.repeats + 1):  # repeat 0: the warm-up
         for s in a.sampling:
             for b in a.batches:
-                for arrivals, wait, ov in cells:
+                for arrivals, wait, ov, mx in cells:
                     n = b * a.per_client
                     _, texts = prompts("story", salt + n)  # fresh prompts every cell: no cached prefix carries over
                     ids = [bos + tokenizer.encode(t, add_special_tokens=False).ids for t in texts[salt:]]
                     salt += n
                     sched.prefill_wait_steps = wait
                     engine.overlap = built_overlap if ov is None else ov == "on"
+                    if mx is not None:
+                        engine.model.mixed_graphs = mx == "on"
                     before, held, ahead = dict(kinds or {}), sched.held_steps, engine.steps_ahead
                     generated, seconds = run_cell(engine, ids, b, a.per_client, a.tokens, SAMPLING[s],
                                                   f"r{rep}-{s}-b{b}-{arrivals}-w{wait}", arrivals == "staggered")
@@ -136,7 +144,8 @@ def main(argv=None) -> int:
                         raise RuntimeError(f"batch {b}: {generated} tokens generated, {n * a.tokens} asked for")
                     rate = generated / seconds
                     key = (f"{s}/b{b}" if arrivals == "together" and wait == default_wait
-                           else f"{s}/b{b}/{arrivals}/w{wait}") + ("" if ov is None else f"/overlap-{ov}")
+                           else f"{s}/b{b}/{arrivals}/w{wait}") + ("" if ov is None else f"/overlap-{ov}") + (
+                        "" if mx is None else f"/mixed-{mx}")
                     paths = {k: v - before.get(k, 0) for k, v in (kinds or {}).items()}
                     paths["held"] = sched.held_steps - held
                     paths["ahead"] = engine.steps_ahead - ahead
@@ -146,6 +155,8 @@ def main(argv=None) -> int:
                     print(f"{'warm-up' if not rep else f'repeat {rep}'} {key}: {rate:,.0f} tok/s, {seconds:.2f} s, "
                           f"steps {paths}", flush=True)
     sched.prefill_wait_steps, engine.overlap = default_wait, built_overlap
+    if built_mixed is not None:
+        engine.model.mixed_graphs = built_mixed
     res["cells"] = {k: {**spread(v), "samples": v} for k, v in res["cells"].items()}
     print(f"engine alone ({'adaptive speculation' if res['speculation'] else 'no speculation'}), setup {setup_s:.1f} s")
     for k, v in res["cells"].items():

@@ -10,7 +10,9 @@ depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_token
 `workers.engine.process: off`, the placement before the engine process), `pulse-w0` (a second `pulse serve` like
 `pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for
 `pulse`, the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like
-`pulse` with `workers.engine.overlap: off`: each engine step read before the next is launched), `llama`
+`pulse` with `workers.engine.overlap: off`: each engine step read before the next is launched), `pulse-eager`
+(a second `pulse serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk
+launched eagerly instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `llama`
 (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
@@ -20,8 +22,8 @@ generates --tokens tokens. The whole grid is large (3 targets x 3 workloads x 2 
 = 72 runs a repeat; on the H200 one warm-up and two repeats of it at one request per client did not fit in 9
 minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
 call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
-p99, and for Pulse's GPU engine `eager_share`: the run's engine forwards that ran eagerly (a step carrying a
-prompt, or one no CUDA graph fits) over all its forwards, from the workers' `forwards_by_path`. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
+p99, and for Pulse's GPU engine `eager_share`: the run's engine forwards that ran eagerly (a step no CUDA graph
+fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs off) over all its forwards, from the workers' `forwards_by_path`. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
 table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
 batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling
@@ -119,7 +121,7 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
 
 
 def forwards(base: str) -> dict[str, int]:
-    """The GPU engines' forwards by path (graph / verify / eager), summed over the workers as the gateway last
+    """The GPU engines' forwards by path (graph / verify / mixed / eager), summed over the workers as the gateway last
     polled them (GET /pulse/workers, open on loopback); {} where there are none (llama-server, a CPU engine)."""
     import urllib.request
 
@@ -182,14 +184,16 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     bases = {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
-    # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off
+    # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off, pulse-eager
+    # its own with mixed steps launched eagerly
     for name, process, engine, targets in (
             (args.engine_process, args.engine_process,
              {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
              [t for t in args.targets if t in ("pulse", "pulse-k0")]),
             ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
             ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
-            ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"])):
+            ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
+            ("eager", args.engine_process, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"])):
         if not targets:
             continue
         port = free_port()
@@ -250,7 +254,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "llama"])
+                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -322,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "llama", "engine"):
+            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,

@@ -111,6 +111,10 @@ class EngineConfig(PulseModel):
     max_prefill_tokens: int = Field(2048, ge=16, description="Token budget of one scheduler step (chunked prefill).")
     cuda_graphs: bool = Field(True, description="Replay decode and speculative verify steps as CUDA graphs (GPU "
                               "only); off: every step is launched eagerly (slower; for debugging kernels).")
+    mixed_graphs: bool = Field(True, description="Steps that carry short prompt chunks beside decoding sequences "
+                               "(requests arriving under load) replay the speculative verify steps' CUDA graphs "
+                               "instead of launching every kernel from Python (GPU only, with cuda_graphs); off: "
+                               "those steps run eagerly.")
     prefill_wait_steps: int | None = Field(None, ge=0, description=(
         "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(

@@ -141,7 +141,9 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
     graphs for decode batches up to max_num_seqs). Same arguments as workers.cupy.engine.create_engine
     (`window_pool`: the sliding-window layers' own KV pool, kv_cache.plan_pools); `ops`/`dtype` are ignored.
     `graph_sizes` / `verify_sizes`: the decode and verify graphs' batch sizes (default: powers of two up to
-    max_num_seqs, and the model's own); () for none (`workers.engine.cuda_graphs: false`)."""
+    max_num_seqs, and verify sizes in tokens up to twice that, at least 256 and at most 512, so that a step of
+    every sequence decoding plus a few short prompts replays a graph); () for none
+    (`workers.engine.cuda_graphs: false`)."""
     from workers.cupy.engine import Engine
     from workers.cupy.kv_cache import BlockManager, plan_for
     from workers.cupy.models import build_gpu_model
@@ -149,8 +151,11 @@ def create_gpu_engine(info, weights: dict, *, block_size: int, num_blocks: int, 
 
     if graph_sizes is None:
         graph_sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < max_num_seqs) + (max_num_seqs,)
+    if verify_sizes is None:
+        top = min(512, max(256, 2 * max_num_seqs))
+        verify_sizes = tuple(s for s in (4, 8, 16, 32, 64, 128, 192, 256, 384, 512) if s <= top)
     model = build_gpu_model(info, weights, act=act, graph_sizes=graph_sizes, max_model_len=context_length,
-                            **({} if verify_sizes is None else {"verify_sizes": verify_sizes}))
+                            verify_sizes=verify_sizes)
     cfg = model.cfg
     plan = plan_for(cfg, num_blocks, block_size, max_num_seqs, max_step_tokens, window_pool)
     kv = model.kv_storage(plan.num_global, block_size, num_local=plan.num_local)

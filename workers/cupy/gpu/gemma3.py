@@ -54,8 +54,9 @@ def _for_layer(x, lw):
     return x[0 if lw["window"] == 0 else 1] if isinstance(x, tuple) else x
 
 
-# The paths a forward takes (GpuGemma3.forward): a captured decode graph, a captured verify graph, or eager.
-STEP_KINDS = ("graph", "verify", "eager")
+# The paths a forward takes (GpuGemma3.forward): a captured decode graph, a captured verify graph (speculation's
+# verify steps, and "mixed" steps: short prompt chunks beside decodes, verify.py), or eager.
+STEP_KINDS = ("graph", "verify", "mixed", "eager")
 
 
 @dataclass
@@ -126,6 +127,7 @@ class GpuGemma3:
         # speculative verify steps (verify.py) of up to the largest size in tokens; () keeps them eager
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
+        self.mixed_graphs = True  # steps with prompt chunks replay the verify graphs where they fit (verify.py)
         self.step_kinds = dict.fromkeys(STEP_KINDS, 0)  # forwards by path, for benchmarks and stats
 
     @staticmethod
@@ -253,8 +255,10 @@ class GpuGemma3:
         if (self.graph_sizes and n_query.size and np.all(n_query == 1) and n_rows == n_query.size
                 and n_query.size <= self.graph_sizes[-1]):
             logits, kind = self._decode_graphs(kv, meta.block_size).run(batch), "graph"
-        elif self.verify_sizes and n_rows == batch.num_tokens and self._verify_graphs(kv, meta.block_size).fits(batch):
-            logits, kind = self._verify.run(batch), "verify"  # speculative verify step: every token wants logits
+        elif (self.verify_sizes and (self.mixed_graphs or n_rows == batch.num_tokens)
+              and self._verify_graphs(kv, meta.block_size).fits(batch)):
+            # a speculative verify step (every token wants logits) or a mixed one (prompt chunks beside decodes)
+            logits, kind = self._verify.run(batch), "verify" if n_rows == batch.num_tokens else "mixed"
         else:
             logits, kind = self.forward_eager(batch, kv), "eager"
         self.step_kinds[kind] += 1
@@ -273,12 +277,12 @@ class GpuGemma3:
         return ws.logits
 
     def capture_graphs(self, kv: KVStorage, block_size: int, verify: bool) -> None:
-        """Capture the decode graphs (every size) and, with `verify`, speculation's verify graphs now: a
+        """Capture the decode graphs (every size) and, with `verify` or mixed steps on, the verify graphs now: a
         worker does this at start, before it reports ready, so that the first request's step does not
         capture them all (seconds on the H200 at the h200 profile's 256-sequence batch)."""
         if self.graph_sizes:
             self._decode_graphs(kv, block_size)
-        if verify and self.verify_sizes:
+        if (verify or self.mixed_graphs) and self.verify_sizes:
             self._verify_graphs(kv, block_size)
 
     def _verify_graphs(self, kv: KVStorage, block_size: int):

@@ -108,6 +108,7 @@ class GpuLlama(GpuGemma3):
         self._graphs = None
         self.verify_sizes = tuple(sorted(verify_sizes))
         self._verify = None
+        self.mixed_graphs = True
         self.step_kinds = dict.fromkeys(STEP_KINDS, 0)  # forwards by path (GpuGemma3.forward)
 
     def _layer_weights(self, w: dict, i: int) -> dict:
