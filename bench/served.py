@@ -101,7 +101,11 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         api, texts = prompts(workload, offset + n)
         spec = LoadSpec(url=base, api=api, model=model, prompts=texts[offset:], max_tokens=args.tokens,
                         clients=clients, requests=n, duration=args.duration, timeout=args.timeout,
-                        body_extra=body_extra(target, workload, sampling))
+                        body_extra=body_extra(target, workload, sampling),
+                        # llama-server direct: a connection per request, as bench/llama_server_parity.py and
+                        # Pulse's own backend do (cpp-httplib dropped kept-alive ones: with 2 requests per client
+                        # about half the second ones failed with ServerDisconnectedError, 2026-12-02 on the H200)
+                        force_close=target == "llama")
         before = await asyncio.to_thread(forwards, base)
         out = await run_load(spec)
         m = out["metrics"]

@@ -90,7 +90,9 @@ class LoadTestConfig(PulseModel):
     """The load-test backend: an instrument for measuring gateway overhead, not a model."""
 
     tokens: int = Field(16, ge=1, description="Tokens streamed per request (capped by max_tokens).")
-    tokens_per_s: float = Field(0.0, ge=0, description="Rate per stream; 0 streams as fast as possible.")
+    tokens_per_s: float = Field(0.0, ge=0, description="Rate per stream after the first token; 0 streams as fast "
+                                "as possible.")
+    ttft_s: float = Field(0.0, ge=0, description="Seconds before the first token (a prefill's wait); 0: at once.")
     slots: int = Field(4096, ge=1, description="Concurrent streams the backend accepts.")
 
 

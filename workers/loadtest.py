@@ -34,12 +34,18 @@ class LoadTestBackend(Backend):
         try:
             n = min(self.cfg.tokens, request.max_tokens)
             gap = 1.0 / self.cfg.tokens_per_s if self.cfg.tokens_per_s > 0 else 0.0
-            for i in range(len(request.resume_ids), n):  # a migrated request continues where it was
+            first = len(request.resume_ids)  # a migrated request continues where it was
+            for i in range(first, n):
                 if request.request_id in self._cancelled:
                     break
-                if gap:
+                # the first token after ttft_s (default at once) and later ones at the rate, as bench/relay.py's
+                # upstream paces its stream: bench/gateway_overhead.py's held streams then differ only by the gateway
+                # (a first token held back one gap had added 1/rate to every "added TTFT" there)
+                if i == first and self.cfg.ttft_s:
+                    await asyncio.sleep(self.cfg.ttft_s)
+                elif gap and i > first:
                     await asyncio.sleep(gap)
-                elif i:
+                elif i > first:
                     await asyncio.sleep(0)  # yield like a real backend between steps
                 self.generated += 1
                 yield Chunk(text=f" t{i}", token_ids=[1000 + i])

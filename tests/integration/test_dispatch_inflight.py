@@ -31,10 +31,10 @@ from workers.stream import StreamServer
 PROMPT = list(range(1000, 1000 + 640))  # 40 blocks of 16
 
 
-def _config(tokens_per_s: float, slots: int = 64) -> PulseConfig:
+def _config(tokens_per_s: float, slots: int = 64, ttft_s: float = 0.0) -> PulseConfig:
     return PulseConfig.model_validate({"workers": {"backend": "loadtest",
                                                    "loadtest": {"tokens": 4, "tokens_per_s": tokens_per_s,
-                                                                "slots": slots}}})
+                                                                "slots": slots, "ttft_s": ttft_s}}})
 
 
 async def _setup(config: PulseConfig, n: int = 2, models: list[tuple[str, str]] | None = None):
@@ -66,7 +66,7 @@ async def _teardown(servers, pool):
 
 
 async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_its_first_chunk():
-    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=2.0))  # first chunk after ~0.5 s
+    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=2.0, ttft_s=0.5))  # first chunk after ~0.5 s
     try:
         gen = GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4)
         opening = asyncio.create_task(dispatcher.open(gen))
