@@ -19,6 +19,11 @@ from gateway.status import StatusBoard
 log = logging.getLogger("pulse.gateway")
 
 # curl -d sends application/x-www-form-urlencoded and many scripts send text/plain: parse those as JSON too
+# Connections the kernel completes for a replica before it accepts them (the kernel caps it at net.core.somaxconn).
+# Past it, a client's SYN is dropped and retried a second later: with aiohttp's default (128) a burst of 256 agents
+# connecting to one replica on a busy 2-core box saw 10% of first tokens ~1 s late (BENCHMARKS.md, issue 20).
+LISTEN_BACKLOG = 4096
+
 _JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded", "text/plain")
 
 
@@ -135,8 +140,8 @@ async def start_server(app: web.Application, host: str, port: int, *, reuse_port
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    site = web.SockSite(runner, sock)
+    site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)  # SockSite listens again: its default would be 128
     await site.start()
     return runner, sock.getsockname()[1]
