@@ -12,7 +12,8 @@ Decode steps of B sequences (one new token each, `--context` tokens known, block
 BlockManager), with one KV pool and with two (Gemma 3's sliding-window layers: a second block table per
 sequence, its early blocks slid out). A batch.py from before BlockTables flattens the lists as it did then.
 `--part step`: a whole Engine.step() over a model that costs nothing (a test double isolating the host work),
-with workers.engine.overlap on (this tree's column) and off (the baseline column).
+with workers.engine.overlap on (this tree's column) and off (the baseline column); `--churn N`: N sequences finish
+each step and as many requests arrive (the served load at a full batch: 256 clients x 128 tokens is 2 a step).
 Prints, per batch and layout, the median (min–max over --repeats) of microseconds per call, each repeat the
 mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
 For `emit` no sequence finishes during the timing (as in ~127 of a 128-token request's 128 steps); an
@@ -100,10 +101,12 @@ class FreeModel:
         return out
 
 
-def whole_step(batch: int, context: int, two_pools: bool, overlap: bool):
+def whole_step(batch: int, context: int, two_pools: bool, overlap: bool, churn: int = 0, prompt: int = 32):
     """A (scheduled, block_size, xp, tables) -> outputs callable: one Engine.step() of an engine over FreeModel
-    with `batch` sequences decoding (never finishing), its sampler staging and packing the draws' parameters as
-    the GPU sampler does (the draw itself: one argmax), `overlap` as workers.engine.overlap."""
+    with `batch` sequences decoding, its sampler staging and packing the draws' parameters as the GPU sampler
+    does (the draw itself: one argmax), `overlap` as workers.engine.overlap. `churn` 0: the sequences never
+    finish; N: N of them finish each step (each lives batch / N steps, their ends staggered) and as many new
+    requests of `prompt` distinct tokens arrive, so their prefill rides with the decodes as under load."""
     from workers.cupy.engine import Engine
     from workers.cupy.sampler import Sampler, pack_rows
     from workers.cupy.scheduler import Scheduler
@@ -125,12 +128,24 @@ def whole_step(batch: int, context: int, two_pools: bool, overlap: bool):
     blocks = BlockManager(batch * per_seq + 1, BLOCK, num_local=local, window=WINDOW if two_pools else None)
     eng = Engine(FreeModel(), None, blocks, Scheduler(blocks, batch, max(2048, batch)), StagingSampler(), (1,),
                  1 << 20, FreeModel.vocab, 0, overlap)
+    life = max(1, batch // churn) if churn else 1 << 20
     for i in range(batch):
         eng.add(GenerateRequest(request_id=str(i), prompt_ids=[2 + (i + j) % 500 for j in range(context)],
-                                max_tokens=1 << 20, sampling=SamplingParams(temperature=1.0), ignore_eos=True))
+                                max_tokens=(1 + i // churn) if churn else life,
+                                sampling=SamplingParams(temperature=1.0), ignore_eos=True))
     while any(seq.num_computed < seq.num_prompt_tokens for seq in eng.seqs.values()):
         eng.step()
-    return lambda scheduled, block_size, xp, tables=None: eng.step()
+    arrivals = iter(range(batch, 1 << 62))
+
+    def step(scheduled, block_size, xp, tables=None):
+        outputs = eng.step()
+        for o in outputs:
+            if o.finish_reason is not None:  # a new request takes its place (distinct tokens: no cached prefix)
+                n = next(arrivals)
+                eng.add(GenerateRequest(request_id=str(n), prompt_ids=[2 + (n * 7 + j) % 509 for j in range(prompt)],
+                                        max_tokens=life, sampling=SamplingParams(temperature=1.0), ignore_eos=True))
+        return outputs
+    return step
 
 
 def per_call_us(build, step, calls: int) -> float:
@@ -157,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=["build_batch", "emit", "step"], default="build_batch", help=(
         "step: a whole Engine.step() over a model that costs nothing, with workers.engine.overlap on and off "
         "(the baseline column is overlap off)"))
+    ap.add_argument("--churn", type=int, default=0, help=(
+        "--part step: sequences that finish each step, replaced by as many new requests (their prefill rides with "
+        "the decodes, as under load); 0: none finish"))
     ap.add_argument("--baseline", help="another batch.py (--part build_batch) or engine.py (--part emit), e.g. from "
                     "`git show REV:workers/cupy/batch.py`, timed beside this one, repeat by repeat")
     args = ap.parse_args(argv)
@@ -184,8 +202,8 @@ def main(argv=None) -> int:
         for two in (False, True):
             step = decode_step(batch, args.context, two)
             if args.part == "step":
-                builds = {"this tree": whole_step(batch, args.context, two, True),
-                          "baseline": whole_step(batch, args.context, two, False)}
+                builds = {"this tree": whole_step(batch, args.context, two, True, args.churn),
+                          "baseline": whole_step(batch, args.context, two, False, args.churn)}
             runs: dict[str, list[float]] = {name: [] for name in builds}
             for _ in range(args.repeats):  # interleaved: the box's load moves both alike
                 for name, build in builds.items():

@@ -13,34 +13,38 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.test_gemma3_gpu import PROMPTS, random_weights, real, rel, step  # noqa: F401 (fixture)
-from workers.cupy.gemma3 import Gemma3, Gemma3Config
-from workers.cupy.kv_cache import BlockManager
-from workers.cupy.ops import Ops
+from tests.gpu.test_gemma3_gpu import PROMPTS, real, rel, step  # noqa: F401 (fixture)
 from workers.cupy.sequence import Sequence
 
 cp = pytest.importorskip("cupy")
 
-from workers.cupy.gpu.gemma3 import GpuGemma3  # noqa: E402
+from tests.gpu.test_speculation_gpu import small_models  # noqa: E402
 
 RNG = np.random.default_rng()
-BS = 16
 
 
 def _seq(name: str, n: int, vocab: int) -> Sequence:
     return Sequence(request_id=name, token_ids=RNG.integers(0, vocab, n).tolist(), max_tokens=16)
 
 
+def _runs(blocks, running, nxt, arriving) -> list:
+    """A step's (sequence, tokens): each running sequence decodes its next token `nxt[i]`, each arriving one runs
+    its whole prompt."""
+    runs = []
+    for b, s in enumerate(running):
+        s.num_computed = len(s.token_ids)
+        s.token_ids.append(int(nxt[b]))
+        blocks.allocate(s, 1)
+        runs.append((s, 1))
+    for s in arriving:
+        blocks.allocate(s, len(s.token_ids))
+        runs.append((s, len(s.token_ids)))
+    return runs
+
+
 @pytest.mark.parametrize("new_len", [3, 20])  # 2 decodes + 3 new tokens: the small path; 2 + 20 + 30: cuBLAS
 def test_mixed_step_graph_matches_cpu(new_len):
-    cfg = Gemma3Config(n_layers=6, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048, vocab_size=8192,
-                       eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
-    w = random_weights(cfg)
-    cpu = Gemma3(cfg, w, Ops(np))
-    gpu = GpuGemma3(cfg, w, act="float16", graph_sizes=(1, 4, 8), max_model_len=2048)
-    nb = 256
-    kvs = [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)]
-    blocks = BlockManager(nb, BS)
+    cfg, cpu, gpu, kvs, blocks = small_models()
     running = [_seq("a", 600, cfg.vocab_size), _seq("b", 37, cfg.vocab_size)]  # one context past the 512 window
     for s in running:
         blocks.allocate(s, len(s.token_ids))
@@ -50,15 +54,7 @@ def test_mixed_step_graph_matches_cpu(new_len):
     arriving = [_seq("c", new_len, cfg.vocab_size)]
     partial = _seq("d", 50, cfg.vocab_size)  # a prompt whose first chunk stops short of its end: no logits row
     for rnd in range(2):  # the second round replays the graphs already captured, over another layout
-        runs = []
-        for b, s in enumerate(running):
-            s.num_computed = len(s.token_ids)
-            s.token_ids.append(int(nxt[b]))
-            blocks.allocate(s, 1)
-            runs.append((s, 1))
-        for s in arriving:
-            blocks.allocate(s, len(s.token_ids))
-            runs.append((s, len(s.token_ids)))
+        runs = _runs(blocks, running, nxt, arriving)
         if new_len > 8:  # the cuBLAS size: the partial prompt's first chunk, then its rest
             chunk = 30 if rnd == 0 else 20
             blocks.allocate(partial, chunk)
@@ -77,15 +73,7 @@ def test_mixed_step_graph_matches_cpu(new_len):
         nxt = np.argmax(c[: len(running)], axis=1)  # the partial prompt's row, when it has one, comes last
     # the same kind of step with mixed graphs off: eager
     gpu.mixed_graphs = False
-    runs = []
-    for b, s in enumerate(running):
-        s.num_computed = len(s.token_ids)
-        s.token_ids.append(int(nxt[b]))
-        blocks.allocate(s, 1)
-        runs.append((s, 1))
-    for s in arriving:
-        blocks.allocate(s, len(s.token_ids))
-        runs.append((s, len(s.token_ids)))
+    runs = _runs(blocks, running, nxt, arriving)
     before = dict(gpu.step_kinds)
     c, g = step([cpu, gpu], kvs, runs)
     assert rel(g, c) < 1e-2

@@ -26,16 +26,20 @@ RNG = np.random.default_rng()
 BS = 16
 
 
-@pytest.mark.parametrize("draft_lens", [(3, 0, 2), (6, 0, 7, 1)])  # 8 tokens (small path), 19 (cuBLAS)
-def test_verify_step_graph_matches_cpu(draft_lens):
+def small_models(nb: int = 256):
+    """A 6-layer Gemma 3 with random weights as the CPU model and the GPU model (decode graphs of 1, 4 and 8
+    rows), their KV storages of `nb` blocks and a block manager: (cfg, cpu, gpu, kvs, blocks)."""
     cfg = Gemma3Config(n_layers=6, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048, vocab_size=8192,
                        eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
     w = random_weights(cfg)
     cpu = Gemma3(cfg, w, Ops(np))
     gpu = GpuGemma3(cfg, w, act="float16", graph_sizes=(1, 4, 8), max_model_len=2048)
-    nb = 256
-    kvs = [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)]
-    blocks = BlockManager(nb, BS)
+    return cfg, cpu, gpu, [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)], BlockManager(nb, BS)
+
+
+@pytest.mark.parametrize("draft_lens", [(3, 0, 2), (6, 0, 7, 1)])  # 8 tokens (small path), 19 (cuBLAS)
+def test_verify_step_graph_matches_cpu(draft_lens):
+    cfg, cpu, gpu, kvs, blocks = small_models()
     lens = [600, 37, 130, 5][: len(draft_lens)]  # one context past the 512 window
     seqs = [Sequence(request_id=str(i), token_ids=RNG.integers(0, cfg.vocab_size, n).tolist(), max_tokens=16)
             for i, n in enumerate(lens)]
