@@ -54,6 +54,9 @@ class LoadSpec:
     body_extra: dict | None = None  # fields added to (or replacing) the request body, e.g. sampling settings
     force_close: bool = False  # a new connection per request (llama-server drops kept-alive ones under load)
     prompts: list | None = None  # when set, request i sends prompts[i % len] in place of `prompt` (no shared prefix)
+    # closed loop: client i sends its first request i * stagger_s / clients seconds after the start, so the clients'
+    # requests end and arrive spread over time as independent agents' do, not in lockstep (0: all at once)
+    stagger_s: float = 0.0
 
 
 @dataclass
@@ -212,13 +215,15 @@ def _budget(spec: LoadSpec, start: float, issued: int) -> bool:
 async def _closed_loop(spec, session, url, body, start, results) -> None:
     issued = 0
 
-    async def client() -> None:
+    async def client(i: int) -> None:
         nonlocal issued
+        if spec.stagger_s > 0:
+            await asyncio.sleep(i * spec.stagger_s / spec.clients)
         while _budget(spec, start, issued):
             issued += 1
             results.append(await one_request(session, url, nth_body(spec, body, issued - 1), spec.stream))
 
-    await asyncio.gather(*(client() for _ in range(spec.clients)))
+    await asyncio.gather(*(client(i) for i in range(spec.clients)))
 
 
 async def _open_loop(spec, session, url, body, start, results) -> None:

@@ -18,7 +18,9 @@ Workloads: `story` (a distinct short-story prompt per request), `code` (a code e
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
 Sampling: `greedy` (temperature 0) and `t1` (temperature 1, no top_k / top_p: OpenAI's default).
 Each run: C clients, each sending --per-client requests in a closed loop, `ignore_eos` so every request
-generates --tokens tokens. The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts
+generates --tokens tokens; `--stagger S` spreads the clients' first requests over S seconds, so that requests end
+and arrive spread over the run as independent agents' do (without it they start, end and re-arrive together, and
+few steps carry a prompt; the engine alone then runs with staggered arrivals too). The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts
 = 72 runs a repeat; on the H200 one warm-up and two repeats of it at one request per client did not fit in 9
 minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
 call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
@@ -101,6 +103,7 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         api, texts = prompts(workload, offset + n)
         spec = LoadSpec(url=base, api=api, model=model, prompts=texts[offset:], max_tokens=args.tokens,
                         clients=clients, requests=n, duration=args.duration, timeout=args.timeout,
+                        stagger_s=args.stagger,
                         body_extra=body_extra(target, workload, sampling),
                         # llama-server direct: a connection per request, as bench/llama_server_parity.py and
                         # Pulse's own backend do (cpp-httplib dropped kept-alive ones: with 2 requests per client
@@ -264,6 +267,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of every request (ignore_eos)")
     ap.add_argument("--per-client", type=int, default=2, help="requests per client per run")
+    ap.add_argument("--stagger", type=float, default=0.0, help=(
+        "seconds over which the clients' first requests are spread (client i starts at i x S / C), so that requests "
+        "end and arrive spread over the run as independent agents' do; 0: all at once (their requests then end and "
+        "re-arrive together, so few steps carry a prompt). tok/s still counts the whole run, the ramp included"))
     ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request")
     ap.add_argument("--device", default="auto", help="the Pulse engine's device")
@@ -306,10 +313,17 @@ def engine_alone(args, log_dir: Path) -> dict:
     argv += ["--model", args.model] if args.model else []
     argv += ["--profile", args.profile] if args.profile else []
     argv += [] if "pulse" in args.targets else ["--no-speculation"]  # like for like with pulse-k0 alone
+    argv += ["--arrivals", "staggered"] if args.stagger > 0 else []  # spread arrivals there too
     subprocess.run(argv, check=True, cwd=REPO)
     cells = json.loads(out.read_text())["cells"]
-    return {config_name("engine", "story", s, c): {"tok_s": cells[f"{s}/b{c}"]}
-            for s in args.sampling for c in args.clients if f"{s}/b{c}" in cells}
+    out = {}
+    for s in args.sampling:
+        for c in args.clients:
+            key = f"{s}/b{c}" if args.stagger <= 0 else next(
+                (k for k in cells if k.startswith(f"{s}/b{c}/staggered/")), None)
+            if key in cells:
+                out[config_name("engine", "story", s, c)] = {"tok_s": cells[key]}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

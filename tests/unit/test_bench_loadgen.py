@@ -53,3 +53,29 @@ def test_aggregate_counts_429_apart_from_errors_and_rates_only_served_requests()
     assert m["ttft_p50_ms"] == pytest.approx(5.5) and m["itl_p50_ms"] == pytest.approx(0.1)
     assert out["status_counts"] == {"200": 11, "429": 2, "500": 1, "none": 1}
     assert out["error_kinds"] == {"500": 1, "ClientOSError": 1, "stream_error": 1}
+
+
+@pytest.mark.parametrize("stagger", [0.0, 0.4])
+async def test_closed_loop_clients_start_spread_over_the_stagger(monkeypatch, stagger):
+    """stagger_s spreads the clients' first requests (client i at i x S / C); the HTTP call is replaced by one that
+    holds each request 0.6 s (longer than the stagger), so the four requests are the four clients' first ones."""
+    import asyncio
+    import time
+
+    from bench import loadgen
+
+    starts = []
+
+    async def held(session, url, body, stream):
+        starts.append(time.perf_counter())
+        await asyncio.sleep(0.6)
+        return RequestResult(status=200, ttft=0.01, total=0.6, tokens=1)
+
+    monkeypatch.setattr(loadgen, "one_request", held)
+    spec = LoadSpec(url="http://127.0.0.1:1", clients=4, requests=4, duration=10, stagger_s=stagger)
+    t0, results = time.perf_counter(), []
+    await loadgen._closed_loop(spec, None, "u", {}, t0, results)
+    offsets = sorted(s - t0 for s in starts)
+    assert len(results) == 4
+    for i, at in enumerate(offsets):
+        assert at == pytest.approx(i * stagger / 4, abs=0.05)
