@@ -3,7 +3,9 @@ samples on the GPU where it can, and Pulse must still get what it asks for: gree
 own answer, seeded sampling that repeats, logprobs whose chosen token is the top one under greedy, grammars that
 hold, and 32 streams at once without an error. llama.cpp itself turns the GPU draw off for a request with a grammar
 or with logprobs (server-context.cpp, common/sampling.cpp), and Pulse turns it off for a seeded one
-(workers/llama_server/api.py): on the H200, with the GPU draw, two identical seeded requests parted at token 16. Needs a CUDA llama-server (PULSE_LLAMA_SERVER; bench/gpu_build_llama.sh
+(workers/llama_server/api.py): on the H200, with the GPU draw, two identical seeded requests parted at token 16;
+with the host draw they still parted at token 15 while the second reused the slot's cached prompt, so a seeded
+request on a GPU server also goes without the prompt cache. Needs a CUDA llama-server (PULSE_LLAMA_SERVER; bench/gpu_build_llama.sh
 builds one on the H200 machine) and the real GGUF (PULSE_GGUF)."""
 from __future__ import annotations
 

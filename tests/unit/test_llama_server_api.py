@@ -33,6 +33,15 @@ def test_sampled_settings_keep_the_distribution(s, expected):
     assert sampler_settings(s) == expected
 
 
+def test_a_seeded_request_skips_the_prompt_cache_on_a_gpu_server_only():
+    req = GenerateRequest(request_id="r", prompt_ids=[2, 10, 11], max_tokens=8,
+                          sampling=SamplingParams(temperature=1.0, seed=5))
+    assert msgspec.json.decode(request_body(req, 0, exact_seed=True))["cache_prompt"] is False
+    assert msgspec.json.decode(request_body(req, 0))["cache_prompt"] is True  # CPU: the cached repeat is exact
+    plain = GenerateRequest(request_id="r", prompt_ids=[2, 10, 11], max_tokens=8, sampling=SamplingParams())
+    assert msgspec.json.decode(request_body(plain, 0, exact_seed=True))["cache_prompt"] is True
+
+
 def test_body_always_carries_every_sampler_field_and_the_seed():
     b = body(SamplingParams(temperature=0.0, seed=3))
     assert (b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seed"]) == (0.0, 1, 1.0, 0.0, 3)

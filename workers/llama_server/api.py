@@ -57,7 +57,9 @@ RESPONSE_FIELDS = ["content", "tokens", "stop", "stop_type", "id_slot", "timings
                    "tokens_evaluated", "tokens_predicted", "completion_probabilities"]
 
 
-def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
+def request_body(req: GenerateRequest, id_slot: int | None, exact_seed: bool = False) -> bytes:
+    """The /completion body for `req` on slot `id_slot` (None: llama-server picks). `exact_seed` (a GPU server): a
+    seeded request is evaluated from its first prompt token (`cache_prompt` off), as its first run was."""
     s = req.sampling
     body: dict = {
         "prompt": req.prompt_ids,
@@ -76,13 +78,16 @@ def request_body(req: GenerateRequest, id_slot: int | None) -> bytes:
         # seeded request's tokens on the H200 (the second of two identical temperature-1 requests left the
         # first at token 16 of 24; tests/gpu/test_llama_server_gpu.py). The host draw repeats on the CPU box
         # (tests/integration/test_llama_server_backend.py). On the H200 it does not either (2026-12-02: the same
-        # GPU test, the second request left the first at token 15). The likely cause, not yet confirmed: the
-        # second request reuses the slot's cached prompt and re-evaluates only its last token, in a batch of one,
-        # so that token's K/V and the logits after it come out of other CUDA kernels than the first request's
-        # whole-prompt batch, and a seed repeats only where the numerics do. Not fixed (the lead: send seeded
-        # requests with cache_prompt off on a GPU server, and measure what that costs).
-        # Grammars and logprobs take the host draw anyway (llama.cpp turns the GPU one off for them).
+        # GPU test, the second request left the first at token 15): the second request reuses the slot's cached
+        # prompt and re-evaluates only its last token, in a batch of one, so that token's K/V and the logits after
+        # it come out of other CUDA kernels than the first request's whole-prompt batch (llama.cpp issue 2838; its
+        # maintainers' advice for determinism is to turn the prompt cache off, and a GB10 report there shows even
+        # greedy output changing on a cached repeat). So on a GPU server a seeded request, which asks for the same
+        # tokens again, is evaluated from scratch: it pays its prompt's prefill, no other request does. Not yet
+        # re-run on the H200 with this. Grammars and logprobs take the host draw anyway.
         body["backend_sampling"] = False
+        if exact_seed:
+            body["cache_prompt"] = False
     if req.stop:
         body["stop"] = req.stop
     if req.ignore_eos:

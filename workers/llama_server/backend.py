@@ -207,7 +207,7 @@ class LlamaServerBackend(Backend):
         is alive (`_alive`), and only one that does not counts as hung (killed, then restarted). The
         stream is the flight's from the moment it connects: cancel() or a crash closes it, which ends
         the wait at once (and makes llama-server drop the task)."""
-        body = api.request_body(request, slot)
+        body = api.request_body(request, slot, exact_seed=self.profile.kind != "cpu")
         resp = flight.resp = await http.open_stream("127.0.0.1", lane.process.port, "/completion", body,
                                                     connect_timeout_s=CONNECT_TIMEOUT_S)
         if flight.cancelled:  # cancel() came while connecting
