@@ -4,7 +4,7 @@
 - random weights: a mixed step (decodes, a whole short prompt, a prompt chunk short of its end that wants no
   logits) gives the CPU model's logits to fp16 tolerance, through the fused small products (<= 8 tokens) and
   through cuBLAS, twice over different layouts on the same graphs; its in-graph argmax is the argmax of those
-  logits; with `mixed_graphs` off the same step runs eagerly;
+  logits; with `mixed_graphs` off the same step runs eagerly; a step past 256 tokens replays a 384 graph;
 - the real model, through the engine: requests that arrive while others decode are admitted in mixed steps
   (none eager), with the overlap on and off alike, and greedy output starts as the eager engine's does.
 """
@@ -78,6 +78,24 @@ def test_mixed_step_graph_matches_cpu(new_len):
     c, g = step([cpu, gpu], kvs, runs)
     assert rel(g, c) < 1e-2
     assert gpu.step_kinds["eager"] == before["eager"] + 1 and gpu.step_kinds["mixed"] == before["mixed"]
+
+
+def test_a_mixed_step_past_256_tokens_replays_a_large_graph():
+    """The sizes past 256 tokens (create_gpu_engine adds 384 and 512 for batches over 128): nine decodes beside a
+    300-token prompt (309 tokens) replay the 384 graph, with the CPU model's logits."""
+    cfg, cpu, gpu, kvs, blocks = small_models(graph_sizes=(1, 4, 8, 16),
+                                              verify_sizes=(4, 8, 16, 32, 64, 128, 256, 384))
+    running = [_seq(str(i), 20 + i, cfg.vocab_size) for i in range(9)]
+    for s in running:
+        blocks.allocate(s, len(s.token_ids))
+    c, _ = step([cpu, gpu], kvs, [(s, len(s.token_ids)) for s in running])  # nine prompts, 216 tokens: mixed
+    assert gpu.step_kinds["mixed"] == 1
+    runs = _runs(blocks, running, np.argmax(c, axis=1), [_seq("long", 300, cfg.vocab_size)])
+    c, g = step([cpu, gpu], kvs, runs)
+    assert c.shape[0] == 10 and rel(g, c) < 1e-2
+    assert gpu.step_kinds["mixed"] == 2 and gpu.step_kinds["eager"] == 0
+    assert gpu.last_logits.data.ptr == gpu._verify.ws.logits.data.ptr and 384 in gpu._verify.graphs
+    assert gpu.last_chosen.get().tolist() == np.argmax(g, axis=1).tolist()
 
 
 def _engine(real_model, mixed: bool, overlap: bool):

@@ -26,14 +26,15 @@ RNG = np.random.default_rng()
 BS = 16
 
 
-def small_models(nb: int = 256):
-    """A 6-layer Gemma 3 with random weights as the CPU model and the GPU model (decode graphs of 1, 4 and 8
-    rows), their KV storages of `nb` blocks and a block manager: (cfg, cpu, gpu, kvs, blocks)."""
+def small_models(nb: int = 256, graph_sizes=(1, 4, 8), **kw):
+    """A 6-layer Gemma 3 with random weights as the CPU model and the GPU model (decode graphs of `graph_sizes`
+    rows; `kw` to GpuGemma3, e.g. verify_sizes), their KV storages of `nb` blocks and a block manager:
+    (cfg, cpu, gpu, kvs, blocks)."""
     cfg = Gemma3Config(n_layers=6, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn=2048, vocab_size=8192,
                        eps=1e-6, rope_base_global=1e6, query_scale=1 / 16)
     w = random_weights(cfg)
     cpu = Gemma3(cfg, w, Ops(np))
-    gpu = GpuGemma3(cfg, w, act="float16", graph_sizes=(1, 4, 8), max_model_len=2048)
+    gpu = GpuGemma3(cfg, w, act="float16", graph_sizes=graph_sizes, max_model_len=2048, **kw)
     return cfg, cpu, gpu, [cpu.kv_storage(nb, BS), gpu.kv_storage(nb, BS)], BlockManager(nb, BS)
 
 
