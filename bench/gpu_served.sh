@@ -15,6 +15,10 @@
 # The sweep past 64 clients with the engine alone beside it (issue 25), one call:
 #   TARGETS=pulse SERVED_ARGS="--clients 1 16 64 128 256 512 1000 --per-client 2 --repeats 2 --warmup 1
 #     --duration 60 --timeout 120 --engine-alone" bash bench/gpu_served.sh story
+# Mixed steps (prompt chunks replaying the verify graphs) against the same server with them off, arrivals spread as
+# independent agents' are (without --stagger closed-loop clients re-arrive together and few steps carry a prompt):
+#   TARGETS="pulse pulse-eager" SERVED_ARGS="--clients 64 256 --per-client 6 --stagger 1 --repeats 2 --warmup 1
+#     --duration 60 --timeout 120 --profile-batch --engine-alone" bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
