@@ -18,12 +18,12 @@ from gateway.status import StatusBoard
 
 log = logging.getLogger("pulse.gateway")
 
-# curl -d sends application/x-www-form-urlencoded and many scripts send text/plain: parse those as JSON too
 # Connections the kernel completes for a replica before it accepts them (the kernel caps it at net.core.somaxconn).
 # Past it, a client's SYN is dropped and retried a second later: with aiohttp's default (128) a burst of 256 agents
 # connecting to one replica on a busy 2-core box saw 10% of first tokens ~1 s late (BENCHMARKS.md, issue 20).
 LISTEN_BACKLOG = 4096
 
+# curl -d sends application/x-www-form-urlencoded and many scripts send text/plain: parse those as JSON too
 _JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded", "text/plain")
 
 
