@@ -43,10 +43,8 @@ class LoadTestBackend(Backend):
                 # (a first token held back one gap had added 1/rate to every "added TTFT" there)
                 if i == first and self.cfg.ttft_s:
                     await asyncio.sleep(self.cfg.ttft_s)
-                elif gap and i > first:
-                    await asyncio.sleep(gap)
                 elif i > first:
-                    await asyncio.sleep(0)  # yield like a real backend between steps
+                    await asyncio.sleep(gap)  # 0 (no rate): still yield, like a real backend between steps
                 self.generated += 1
                 yield Chunk(text=f" t{i}", token_ids=[1000 + i])
             usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=n)
