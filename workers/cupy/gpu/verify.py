@@ -134,9 +134,9 @@ class VerifyGraphs:
         h[a + big : a + big + t] = 0 if on_device else batch.token_ids
         h[a + 2 * big : a + 2 * big + t] = np.repeat(np.arange(n_rows, dtype=np.int32), np.diff(meta.query_start))
         self._pad_host(t)
-        rows = self.h64[len(self.scratch)]
-        rows[:t] = self._all_rows[:t]
+        rows = self.h64[len(self.scratch)]  # from t on, _pad_host's
         rows[:s] = batch.logits_indices
+        rows[s:t] = self._all_rows[s:t]
         views = self._table_views(h, g)
         views[0][:n_rows, :width] = meta.block_tables
         nbytes = 4 * (self._tables_at + n_rows * self.max_blocks)
