@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# The configured redis.timeout_s (50 ms) suits routing hints: past it a request routes on load alone. A call
+# whose failure the caller sees as a 503 (checking an API key, reading a stored conversation) waits at least
+# this long: a busy box's slow round trip (a fresh connection after a restart, a loaded event loop) is not
+# an outage.
+ANSWER_TIMEOUT_S = 1.0
+
+
 class RedisUnavailable(Exception):
     """Redis did not answer in time, or failed within the last retry interval."""
 

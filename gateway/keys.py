@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from cache.redis_guard import RedisGuard, make_client
+from cache.redis_guard import ANSWER_TIMEOUT_S, RedisGuard, make_client
 
 KEY_RE = re.compile(r"^pk_([0-9a-f]{12})_([0-9a-f]{48})$")
 DEFAULT_KEYS_FILE = "~/.config/pulse/keys.json"
@@ -235,9 +235,11 @@ class RedisKeyStore(KeyStore):
 
     @classmethod
     def from_config(cls, cfg) -> RedisKeyStore:
-        """From a PulseConfig whose redis.url is set."""
+        """From a PulseConfig whose redis.url is set. A key check that times out is a 503 to the caller, not a
+        routing hint: it waits at least ANSWER_TIMEOUT_S, whatever redis.timeout_s says."""
         r = cfg.redis
-        return cls(make_client(r.url, r.timeout_s), r.namespace, r.timeout_s, r.retry_interval_s, cfg.keys.stale_ttl_s)
+        timeout_s = max(r.timeout_s, ANSWER_TIMEOUT_S)
+        return cls(make_client(r.url, timeout_s), r.namespace, timeout_s, r.retry_interval_s, cfg.keys.stale_ttl_s)
 
     async def list(self) -> list[ApiKey]:
         async def read():

@@ -16,10 +16,7 @@ from abc import ABC, abstractmethod
 
 import cachetools
 
-from cache.redis_guard import RedisGuard, RedisUnavailable, make_client
-
-# Storing and reading a conversation is not a routing hint: wait for Redis longer than the index does.
-MIN_TIMEOUT_S = 1.0
+from cache.redis_guard import ANSWER_TIMEOUT_S, RedisGuard, RedisUnavailable, make_client
 
 
 class StoreUnavailable(RedisUnavailable):
@@ -75,7 +72,7 @@ class RedisResponseStore(ResponseStore):
     def __init__(self, url: str, *, namespace: str, ttl_s: float, max_bytes: int, timeout_s: float,
                  retry_interval_s: float):
         super().__init__(ttl_s, max_bytes)
-        timeout_s = max(timeout_s, MIN_TIMEOUT_S)
+        timeout_s = max(timeout_s, ANSWER_TIMEOUT_S)  # a conversation is not a routing hint
         self.prefix = namespace + "response:"
         self.client = make_client(url, timeout_s, max_connections=16)
         self.guard = RedisGuard(timeout_s, retry_interval_s, StoreUnavailable)

@@ -103,6 +103,25 @@ async def test_redis_store_keeps_serving_known_keys_while_redis_is_away(redis_se
         await store.close()
 
 
+
+async def test_a_slow_redis_answer_is_waited_for_not_a_503(redis_server):
+    """`pulse serve`'s key store (redis.timeout_s at its 50 ms default, a routing hint's budget) still waits
+    out a round trip of a few hundred ms: a busy box's first call after a restart is slow, not down."""
+    cfg = PulseConfig.model_validate({"redis": {"url": redis_server.url}})
+    assert cfg.redis.timeout_s <= 0.05
+    store = RedisKeyStore.from_config(cfg)
+    try:
+        plaintext, key = await store.create("x")
+        redis_server.pause()
+        asyncio.get_running_loop().call_later(0.3, redis_server.resume)
+        assert (await store.verify(plaintext)).key_id == key.key_id  # never seen by this store: no stale answer
+        redis_server.pause()
+        asyncio.get_running_loop().call_later(0.3, redis_server.resume)
+        assert await store.has_keys()
+    finally:
+        redis_server.resume()
+        await store.close()
+
 # ---- quotas -------------------------------------------------------------------------------------
 
 
