@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 from policy.config import PulseConfig
-from workers.ray_env import serving_runtime_env
+from workers.ray_env import quiet_control_plane, serving_runtime_env
 
 log = logging.getLogger("pulse.serve")
 NAMESPACE = "pulse"
@@ -100,6 +100,8 @@ def start_ray(config: PulseConfig) -> None:
     """Start the local Ray instance (or join `server.ray_address`)."""
     import ray
 
+    if not config.server.ray_address:
+        quiet_control_plane()  # the local instance's Serve controller (workers/ray_env.py)
     # "local": with no address, ray.init would join any cluster a `ray start` on this box left in
     # /tmp/ray/ray_current_cluster (even a dead one) instead of starting our own instance
     ray.init(address=config.server.ray_address or "local", include_dashboard=config.server.ray_dashboard,

@@ -59,3 +59,12 @@ def test_gateway_and_workers_run_at_nice_0_and_ray_workers_at_15(loadtest_server
         niced = {tid: n for tid, n in _thread_nice(pid).items() if n not in (0, COMPILE_NICE)}
         assert not niced, f"{procs[pid]} (pid {pid}) has threads not at nice 0: {niced}"
     assert 15 in _thread_nice(controller[0]).values(), "Ray no longer re-nices its workers: revisit workers/ray_env.py"
+
+
+def test_the_serve_controller_reconciles_once_a_second(loadtest_server):
+    """`pulse serve` starts its local Ray with the Serve controller's loop at 1 s (workers/ray_env.py): the
+    controller process (Ray's own worker, started by the raylet `pulse serve` started) has it in its environment."""
+    procs = {pid: _title(pid) for pid in descendants(loadtest_server.proc.pid)}
+    (controller,) = [p for p, t in procs.items() if t.startswith("ray::ServeController")]
+    env = dict(v.split(b"=", 1) for v in Path(f"/proc/{controller}/environ").read_bytes().split(b"\0") if b"=" in v)
+    assert env.get(b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == b"1", sorted(env)

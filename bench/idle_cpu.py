@@ -1,0 +1,119 @@
+"""What `pulse serve` costs the box while it serves nothing: CPU per process, idle, as % of one core.
+
+On a small box every idle cycle of Pulse's and Ray's processes is taken from what the backend would use (a
+llama-server decoding on both cores of the 2-core box). Per repeat and per variant this starts `pulse serve`
+(the load-test backend unless told otherwise), waits until it is healthy and `--settle` seconds more, reads
+every process's CPU time from /proc over `--seconds`, and stops it. Variants are environment settings for the
+`pulse serve` process (`default`: none), run in the protocol's rotated order, so an A/B of a setting shares the
+box's slices of time:
+
+    python -m bench.idle_cpu --variants default RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 --repeats 3 --warmup 0
+
+The table: total % of a core, and the processes that take most of it (Ray's workers by their title:
+ServeController, the gateway replica, the worker actor; Ray's daemons by name).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import protocol
+from bench.machine import checked_machine_info
+from bench.procs import Proc, cpu_ticks, free_port
+
+OUT_DIR = Path(__file__).resolve().parent / "results"
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """`default` -> {}; `A=1,B=2` -> {"A": "1", "B": "2"}."""
+    if variant == "default":
+        return {}
+    env = {}
+    for part in variant.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"variant {variant!r}: expected NAME=VALUE[,NAME=VALUE] or 'default'")
+        env[key] = value
+    return env
+
+
+def _title(pid: int, name: str) -> str:
+    """Ray names its workers in their command line (`ray::ServeController`); /proc's comm cuts them at 15."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return name
+    return title.split(" ")[0] if title.startswith("ray::") else name
+
+
+def per_process_pct(before: dict, after: dict, seconds: float, titles: dict[int, str]) -> dict[str, float]:
+    """% of one core per process title over `seconds`, from two cpu_ticks readings (pids in both)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid, (name, ticks) in after.items():
+        if pid in before:
+            key = titles.get(pid, name)
+            out[key] = out.get(key, 0.0) + (ticks - before[pid][1]) / tick / seconds * 100
+    return out
+
+
+async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
+    port = free_port()
+    argv = [sys.executable, "-m", "pulse.cli", "serve", "--backend", args.backend, "--host", "127.0.0.1",
+            "--port", str(port), *(["--config", args.config] if args.config else [])]
+    proc = Proc(f"pulse-{port}", argv, log_dir, env=env)
+    try:
+        await asyncio.to_thread(proc.wait_healthy, f"http://127.0.0.1:{port}/health", args.start_timeout)
+        await asyncio.sleep(args.settle)
+        pids = proc.tree()
+        titles = {pid: _title(pid, "") for pid in pids}
+        before = cpu_ticks(pids)
+        await asyncio.sleep(args.seconds)
+        after = cpu_ticks(pids)
+        by = per_process_pct(before, after, args.seconds, {p: t for p, t in titles.items() if t})
+    finally:
+        await asyncio.to_thread(proc.stop)
+    metrics = {"total_pct_core": sum(by.values())}
+    metrics.update({f"pct:{k}": v for k, v in by.items()})
+    return {"metrics": metrics}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.idle_cpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["default"], help="`default` or NAME=VALUE[,NAME=VALUE]")
+    ap.add_argument("--backend", default="loadtest")
+    ap.add_argument("--config", help="a pulse config file for every variant")
+    ap.add_argument("--seconds", type=float, default=30.0, help="how long each reading lasts")
+    ap.add_argument("--settle", type=float, default=10.0, help="wait after healthy before reading")
+    ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--top", type=int, default=8, help="processes shown in the table")
+    protocol.add_arguments(ap, OUT_DIR)
+    args = ap.parse_args(argv)
+    envs = {v: variant_env(v) for v in args.variants}
+    machine = checked_machine_info()
+    started = time.time()
+    log_dir = Path(tempfile.mkdtemp(prefix="pulse-idle-"))
+    measures = {v: (lambda env=env: measure_once(args, env, log_dir)) for v, env in envs.items()}
+    records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, progress=not args.quiet))
+    summary = protocol.summarize(records)
+    share: dict[str, float] = {}
+    for s in summary.values():
+        for k, v in s.items():
+            if k.startswith("pct:"):
+                share[k] = max(share.get(k, 0.0), v["median"])
+    top = sorted(share, key=lambda k: -share[k])[: args.top]
+    verdict = [f"{v}: {summary[v]['total_pct_core']['median']:.2f}% of a core idle (median of "
+               f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary]
+    protocol.publish("idle_cpu", records, summary, vars(args) | {"out": str(args.out)}, started, machine, verdict,
+                     ["total_pct_core", *top], ["total_pct_core"], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
