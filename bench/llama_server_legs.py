@@ -49,8 +49,10 @@ def ray_legs(label: str) -> tuple[str, str, str]:
     return (f"{label}_v1", f"{label}_channel", f"{label}_pulse")
 
 
-def config_json(log_dir: str, threads: int | None, slots: int | None) -> str:
+def config_json(log_dir: str, threads: int | None, slots: int | None, extra_args: list[str] | None = None) -> str:
     ls: dict = {"log_dir": log_dir}
+    if extra_args:
+        ls["extra_args"] = extra_args
     if threads:
         ls["threads"] = threads
     if slots:
@@ -253,7 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=10, help="requests per leg per round")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1, help="llama-server -t")
+    ap.add_argument("--threads", type=int, default=1, help="llama-server -t (0: llama-server's default)")
+    ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                    help="an argument appended to llama-server's command line (repeat it: --llama-arg=--poll "
+                         "--llama-arg=0)")
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the profile's)")
     ap.add_argument("--ray", action="store_true",
                     help="also host a worker and gateway in Ray as `pulse serve` does, and measure them beside")
@@ -275,7 +280,7 @@ def main(argv=None) -> int:
     from bench.procs import free_port
 
     checked_machine_info()
-    cfg = config_json(tempfile.mkdtemp(prefix="pulse-legs-"), args.threads, args.slots)
+    cfg = config_json(tempfile.mkdtemp(prefix="pulse-legs-"), args.threads, args.slots, args.llama_arg)
     load = os.getloadavg()
     with contextlib.ExitStack() as stack:
         def child(role_args: list[str], wait_s: float) -> dict:
