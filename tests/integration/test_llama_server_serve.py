@@ -6,6 +6,7 @@ import json
 import urllib.request
 from pathlib import Path
 
+from bench.procs import descendants
 from tests.conftest import PulseProcess
 from tests.integration.llama_server_helpers import llama_server_binary, pid_alive
 
@@ -43,10 +44,10 @@ workers:
 server:
   drain_grace_s: 5
 """
-    before = llama_servers()
     srv = PulseProcess([], config, tmp_path).wait_ready()
     try:
-        ours = llama_servers() - before
+        # the ones this `pulse serve` started (under its Ray workers), not another on the box
+        ours = llama_servers() & set(descendants(srv.proc.pid))
         assert len(ours) == 2, srv.log()[-3000:]
         body, headers = chat(srv.base, "Name three colours.")
         assert body["choices"][0]["message"]["content"].strip(), body
