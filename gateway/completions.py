@@ -300,9 +300,12 @@ class CompletionService:
                             headers={"x-pulse-worker": relay.first_worker.worker_id})
 
     async def _stream(self, request: web.Request, events: Events, relay: Relay, rm, span) -> web.StreamResponse:
-        """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token);
-        the first batch goes out as soon as it arrives; the last events leave with the stream's end, so a
-        client that stops reading at `[DONE]` has read the whole response and keeps its connection."""
+        """Relay as SSE. Chunks that arrived together leave in one write (one syscall, not one per token), and
+        their text in one event when they carry no logprobs: a stream the gateway is behind on catches up in
+        fewer, longer deltas (less to frame here and to parse at the client), while one it keeps up with is
+        unchanged, an event per chunk. The first batch goes out as soon as it arrives; the last events leave
+        with the stream's end, so a client that stops reading at `[DONE]` has read the whole response and
+        keeps its connection."""
         out = SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                    "x-pulse-worker": relay.first_worker.worker_id})
         await out.prepare(request)
@@ -310,25 +313,21 @@ class CompletionService:
         try:
             async for batch in relay.batches():
                 rm.chunk(sum(len(c.token_ids) for c in batch))
-                pending: list[bytes] = []
-                for c in batch:
-                    if c.finish_reason == "error":
-                        rm.finish("stream_error")
-                        pending.append(events.error(c.error or "generation failed"))
-                        await out.write_eof(b"".join(pending))
-                        return out
-                    if c.text or c.logprobs or is_first:
-                        pending.append(events.delta(c.text, c.logprobs, is_first))
-                        is_first = False
-                    if c.finish_reason is not None:
-                        usage = c.usage or Usage()
-                        pending.append(await events.end(_finish(c), usage))
-                        rm.finish(200, c.usage)
-                        tm.set_usage_attributes(span, usage, _finish(c))
-                        await out.write_eof(b"".join(pending))
-                        return out
-                if pending:
-                    await out.write(b"".join(pending))
+                pending, is_first, final = _batch_events(events, batch, is_first)
+                if final is None:
+                    if pending:
+                        await out.write(b"".join(pending))
+                    continue
+                if final.finish_reason == "error":
+                    rm.finish("stream_error")
+                    pending.append(events.error(final.error or "generation failed"))
+                else:
+                    usage = final.usage or Usage()
+                    pending.append(await events.end(_finish(final), usage))
+                    rm.finish(200, final.usage)
+                    tm.set_usage_attributes(span, usage, _finish(final))
+                await out.write_eof(b"".join(pending))
+                return out
             rm.finish("stream_error")
             await _sse_error(out, events, "the worker stream ended without a result")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -357,6 +356,34 @@ async def parse_off_loop(parse, body: bytes):
     if len(body) < OFF_LOOP_BYTES:
         return parse(body)
     return await asyncio.to_thread(parse, body)
+
+
+def _batch_events(events: Events, batch: list[Chunk], first: bool) -> tuple[list[bytes], bool, Chunk | None]:
+    """The delta events of chunks that arrived together, up to the stream's final chunk (a finish reason, or
+    "error"), which is returned for the caller to end the stream with (an error chunk's text is not sent);
+    and whether the next delta is still the first. Consecutive plain-text chunks make one delta; the first
+    delta and a chunk with logprobs keep their own event, so logprobs stay aligned with their tokens."""
+    pending: list[bytes] = []
+    text: list[str] = []
+    final = None
+    for c in batch:
+        if c.finish_reason == "error":
+            final = c
+            break
+        if c.logprobs or first:
+            if text:
+                pending.append(events.delta("".join(text), None, False))
+                text = []
+            pending.append(events.delta(c.text, c.logprobs, first))
+            first = False
+        elif c.text:
+            text.append(c.text)
+        if c.finish_reason is not None:
+            final = c
+            break
+    if text:
+        pending.append(events.delta("".join(text), None, False))
+    return pending, first, final
 
 
 def _finish(c: Chunk) -> str:
