@@ -271,6 +271,8 @@ def aggregate(results: Sequence[RequestResult], wall: float) -> dict:
         "wall_s": wall,
         "req_s": len(ok) / wall if wall > 0 else 0.0,
         "tok_s": tokens / wall if wall > 0 else 0.0,
+        # content events a client parsed per answer (a server may put several tokens in one)
+        "events_per_req": sum(len(r.itl) + 1 for r in ok if r.ttft is not None) / len(ok) if ok else None,
     }
     for name, values in (("ttft", [r.ttft for r in ok if r.ttft is not None]),
                          ("itl", [g for r in ok for g in r.itl]),

@@ -49,7 +49,7 @@ def test_aggregate_counts_429_apart_from_errors_and_rates_only_served_requests()
     out = aggregate(results, wall=2.0)
     m = out["metrics"]
     assert (m["requests"], m["ok"], m["rate_limited"], m["errors"]) == (15, 10, 2, 3)
-    assert m["req_s"] == 5.0 and m["tok_s"] == 80.0
+    assert m["req_s"] == 5.0 and m["tok_s"] == 80.0 and m["events_per_req"] == 2.0  # the first event, one gap
     assert m["ttft_p50_ms"] == pytest.approx(5.5) and m["itl_p50_ms"] == pytest.approx(0.1)
     assert out["status_counts"] == {"200": 11, "429": 2, "500": 1, "none": 1}
     assert out["error_kinds"] == {"500": 1, "ClientOSError": 1, "stream_error": 1}
