@@ -16,6 +16,11 @@ TTFT <= 25 ms, with no errors.
     python -m bench.gateway_overhead --no-pulse     # relay against direct only
     python -m bench.gateway_overhead --pulse-b-cmd "..."   # a second Pulse (another tree) as `pulse_b`, interleaved
 
+Pulse sends the text of chunks that reach a stream together as one delta; the relay passes the upstream's events
+one for one. Without `--rate` the load-test backend sends its tokens back to back, so they reach the gateway
+together and Pulse's clients parse fewer events than the relay's (`events_per_req`): req/s is then not a like-for-like
+comparison. With `--rate` tokens are paced as an engine's steps pace them, and the events match.
+
 With `--pulse-b-cmd` a second `pulse serve` (e.g. an older commit's tree) is measured in the same repeats as the
 first, so an A/B of two trees shares every slice of time on a busy box; the goals are judged on `pulse` only.
 """
@@ -40,7 +45,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO, GOAL_CPU_RATIO = 2.0, 10.0, 0.8, 1.2
 MANY_CLIENTS, GOAL_MANY_P99_MS = 256, 25.0  # from this many clients on, streams are held open: a looser p99
 TABLE_METRICS = ["ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms", "over_relay_ttft_p50_ms",
-                 "req_s", "req_s_vs_relay", "gateway_cpu_ms_per_req", "path_cpu_ms_per_req", "cpu_vs_relay", "rss_mib",
+                 "req_s", "req_s_vs_relay", "events_per_req", "gateway_cpu_ms_per_req", "path_cpu_ms_per_req",
+                 "cpu_vs_relay", "rss_mib",
                  "errors", "gateway_cpu_ms_per_req_vs_b", "path_cpu_ms_per_req_vs_b", "req_s_vs_b"]
 GATEWAY_PROCESS = "ray::ServeRepli"  # the gateway replicas' name in /proc/PID/comm (15 characters)
 PLOT_METRICS = ["added_ttft_p50_ms", "added_ttft_p99_ms", "req_s"]

@@ -72,8 +72,11 @@ def upstream_app(tokens: int = 16, rate: float = 0.0) -> web.Application:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
+        first_token = 1 if chat else 0  # a chat stream opens with its role event
         for i, event in enumerate(stream_events(chat, model, n, usage)):
-            if rate and i > 1:  # the role event and the first token go at once; later tokens at the rate
+            # the role event and the first token go at once, later tokens at the rate, and the finish and usage
+            # events right after the last token, as Pulse's load-test backend sends its stream
+            if rate and first_token < i < first_token + n:
                 await asyncio.sleep(1.0 / rate)
             await resp.write(sse(event))
         await resp.write(b"data: [DONE]\n\n")
