@@ -16,10 +16,10 @@ import os
 SERVING_ENV = {"RAY_worker_niceness": "0"}
 
 # Ray's own processes, for a local instance `pulse serve` starts (they inherit the driver's environment). The
-# Serve controller reconciles every 0.1 s by default: idle, with one gateway replica and one worker, it used 2.1%
-# of a core and the GCS, which it calls each round, 1.2% (the 2-core box, 30 s; `python -m bench.idle_cpu`).
+# Serve controller reconciles every 0.1 s by default: idle, with one gateway replica and one worker, it used 2.6%
+# of a core and the GCS, which it calls each round, 1.6% (the 2-core box; `python -m bench.idle_cpu`, BENCHMARKS).
 # Pulse's deployments have a fixed replica count and no autoscaling, so a round a second is enough: a dead
-# replica is still found by its health check (every 5 s) and replaced within a second of it. 0.5% and 0.4% then,
+# replica is still found by its health check (every 5 s) and replaced within a second of it. 0.7% and 0.6% then,
 # which on a 2-core box running llama-server is CPU its decode threads get back. An explicit setting wins.
 CONTROL_PLANE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
 
