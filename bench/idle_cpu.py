@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import protocol
 from bench.machine import checked_machine_info
-from bench.procs import Proc, cpu_ticks, free_port
+from bench.procs import Proc, cpu_ticks, free_port, title
 
 OUT_DIR = Path(__file__).resolve().parent / "results"
 
@@ -41,15 +41,6 @@ def variant_env(variant: str) -> dict[str, str]:
             raise ValueError(f"variant {variant!r}: expected NAME=VALUE[,NAME=VALUE] or 'default'")
         env[key] = value
     return env
-
-
-def _title(pid: int, name: str) -> str:
-    """Ray names its workers in their command line (`ray::ServeController`); /proc's comm cuts them at 15."""
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return name
-    return title.split(" ")[0] if title.startswith("ray::") else name
 
 
 def per_process_pct(before: dict, after: dict, seconds: float, titles: dict[int, str]) -> dict[str, float]:
@@ -72,11 +63,12 @@ async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
         await asyncio.to_thread(proc.wait_healthy, f"http://127.0.0.1:{port}/health", args.start_timeout)
         await asyncio.sleep(args.settle)
         pids = proc.tree()
-        titles = {pid: _title(pid, "") for pid in pids}
+        # Ray's workers by their title (ray::ServeController ...), its daemons and the rest by /proc's name
+        titles = {pid: t.split(" ")[0] for pid in pids if (t := title(pid)).startswith("ray::")}
         before = cpu_ticks(pids)
         await asyncio.sleep(args.seconds)
         after = cpu_ticks(pids)
-        by = per_process_pct(before, after, args.seconds, {p: t for p, t in titles.items() if t})
+        by = per_process_pct(before, after, args.seconds, titles)
     finally:
         await asyncio.to_thread(proc.stop)
     metrics = {"total_pct_core": sum(by.values())}

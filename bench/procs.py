@@ -37,6 +37,15 @@ def free_port(low: int = 20000, high: int = 32767) -> int:
     raise RuntimeError(f"no free port in {low}-{high}")
 
 
+def title(pid: int) -> str:
+    """A process's first command-line word, where Ray names its workers (`ray::ServeController`; /proc's comm cuts
+    names at 15 characters); "" when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of pid, read from /proc (children first found, breadth-first)."""
     children: dict[int, list[int]] = {}

@@ -103,7 +103,6 @@ async def test_redis_store_keeps_serving_known_keys_while_redis_is_away(redis_se
         await store.close()
 
 
-
 async def test_a_slow_redis_answer_is_waited_for_not_a_503(redis_server):
     """`pulse serve`'s key store (redis.timeout_s at its 50 ms default, a routing hint's budget) still waits
     out a round trip of a few hundred ms: a busy box's first call after a restart is slow, not down."""
@@ -121,6 +120,7 @@ async def test_a_slow_redis_answer_is_waited_for_not_a_503(redis_server):
     finally:
         redis_server.resume()
         await store.close()
+
 
 # ---- quotas -------------------------------------------------------------------------------------
 

@@ -12,15 +12,8 @@ import json
 import urllib.request
 from pathlib import Path
 
-from bench.procs import descendants
+from bench.procs import descendants, title
 from gateway.structured import COMPILE_NICE
-
-
-def _title(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _thread_nice(pid: int) -> dict[int, int]:
@@ -48,7 +41,7 @@ def _compile_a_schema(base: str) -> None:
 
 def test_gateway_and_workers_run_at_nice_0_and_ray_workers_at_15(loadtest_server):
     _compile_a_schema(loadtest_server.base)
-    procs = {pid: _title(pid) for pid in descendants(loadtest_server.proc.pid)}
+    procs = {pid: title(pid) for pid in descendants(loadtest_server.proc.pid)}
     serving = [p for p, t in procs.items()
                if t.startswith(("ray::ServeReplica:pulse:GatewayIngress", "ray::WorkerActor"))]
     controller = [p for p, t in procs.items() if t.startswith("ray::ServeController")]
@@ -64,7 +57,7 @@ def test_gateway_and_workers_run_at_nice_0_and_ray_workers_at_15(loadtest_server
 def test_the_serve_controller_reconciles_once_a_second(loadtest_server):
     """`pulse serve` starts its local Ray with the Serve controller's loop at 1 s (workers/ray_env.py): the
     controller process (Ray's own worker, started by the raylet `pulse serve` started) has it in its environment."""
-    procs = {pid: _title(pid) for pid in descendants(loadtest_server.proc.pid)}
+    procs = {pid: title(pid) for pid in descendants(loadtest_server.proc.pid)}
     (controller,) = [p for p, t in procs.items() if t.startswith("ray::ServeController")]
     env = dict(v.split(b"=", 1) for v in Path(f"/proc/{controller}/environ").read_bytes().split(b"\0") if b"=" in v)
     assert env.get(b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == b"1", sorted(env)
