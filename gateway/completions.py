@@ -247,8 +247,8 @@ class CompletionService:
                                           seed=gen.sampling.seed, stream=call.stream, session_id=gen.session_id)
                 gen.trace_context = tm.inject_context()
                 rm = self.metrics.request(call.model, start, api=api)
-                if gen.session_id:  # another replica may have routed its last turn: see where it went
-                    await self.dispatcher.pool.fresh_blocks()
+                if gen.session_id and not self.dispatcher.router.knows(gen.session_id):
+                    await self.dispatcher.pool.fresh_blocks()  # another replica may have routed its last turn
                 relay = Relay(self.dispatcher, gen, await self.dispatcher.open(gen), self.metrics)
                 span.set_attribute(tm.PULSE_WORKER, relay.first_worker.worker_id)
                 try:

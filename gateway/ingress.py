@@ -66,7 +66,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     # several replicas without Redis: each has its own index; a turn naming a session pulls it fresh first
     shared = (config.server.gateway_replicas or 1) > 1 and not config.redis.url
     pool = WorkerPool(discover, first_byte_timeout_s=config.server.first_byte_timeout_s,
-                      block_index=None if config.redis.url else index, block_sync_s=0.02 if shared else None)
+                      block_index=None if config.redis.url else index, sync_blocks=shared)
     provider = tm.setup_tracing(config.telemetry, role="gateway")
     tracer = QuietTracer(provider.get_tracer("pulse.gateway"))  # no child spans when not recorded
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})

@@ -95,10 +95,10 @@ class WorkerPool:
 
     def __init__(self, discover: Discover, *, poll_interval_s: float = 0.5, first_byte_timeout_s: float = 60.0,
                  breaker_threshold: int = 3, breaker_open_s: float = 5.0, block_index=None,
-                 block_sync_s: float | None = None):
+                 sync_blocks: bool = False):
         self._discover = discover
         self.block_index = block_index  # an in-process PrefixIndex fed from the workers' block logs
-        self.block_sync_s = block_sync_s  # see fresh_blocks; None: the poll alone feeds the index
+        self.sync_blocks = sync_blocks  # see fresh_blocks; False: the poll alone feeds the index
         self._blocks_at = 0.0  # when the last pull of every worker's block log started (monotonic)
         self._blocks_pull: asyncio.Future | None = None  # the pull in flight, shared by all who wait for it
         self._poll_interval = poll_interval_s
@@ -144,26 +144,38 @@ class WorkerPool:
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
         if self.block_index is not None:
-            await self._sync_blocks(0.0)
+            await self._sync_blocks()
 
     async def fresh_blocks(self) -> None:
-        """Pull the workers' new block events now unless a pull started within `block_sync_s`.
+        """Return once a pull of every worker's new block events that started after this call has ended.
 
         Several gateway replicas without Redis each keep their own in-process index, fed by this pull; a
         conversation's next turn may land on a replica that did not route its last one, and only the index
-        tells it which worker holds the conversation's blocks. Called before routing a request that names a
-        session, it closes the gap of up to one poll interval. One pull at a time, shared by every waiter."""
-        if self.block_index is not None and self.block_sync_s is not None:
-            await self._sync_blocks(self.block_sync_s)
-
-    async def _sync_blocks(self, max_age_s: float) -> None:
-        if self._blocks_pull is None:
-            if time.monotonic() - self._blocks_at <= max_age_s:
+        tells it which worker holds the conversation's blocks. The last turn's events were in its worker's
+        log before its answer reached the client, so before this turn reached the gateway: a pull that
+        started later has them, one that started earlier (the poll's, or one still in flight) may not. Those
+        who ask while a pull is in flight share the one that follows it: at most one pull runs at a time."""
+        if self.block_index is None or not self.sync_blocks:
+            return
+        asked = time.monotonic()
+        while self._blocks_at < asked or self._blocks_pull is not None:
+            if self._blocks_pull is None:
+                self._start_pull()
+            pull, started = self._blocks_pull, self._blocks_at
+            await asyncio.shield(pull)
+            if started >= asked:
                 return
-            self._blocks_at = time.monotonic()
-            self._blocks_pull = asyncio.ensure_future(self._pull_all_blocks())
-            self._blocks_pull.add_done_callback(self._pull_done)
+
+    async def _sync_blocks(self) -> None:
+        """The poll's pull: join the one in flight or start one."""
+        if self._blocks_pull is None:
+            self._start_pull()
         await asyncio.shield(self._blocks_pull)
+
+    def _start_pull(self) -> None:
+        self._blocks_at = time.monotonic()
+        self._blocks_pull = asyncio.ensure_future(self._pull_all_blocks())
+        self._blocks_pull.add_done_callback(self._pull_done)
 
     def _pull_done(self, fut: asyncio.Future) -> None:
         self._blocks_pull = None

@@ -117,6 +117,11 @@ class PrefixRouter:
         except IndexUnavailable:
             return {}, False, hashes, cpu_s
 
+    def knows(self, session_id: str | None) -> bool:
+        """Whether this gateway routed the session's last turn it saw (so it needs no fresher index to place it)."""
+        session = session_key(session_id)
+        return session is not None and session in self._sessions
+
     def _remember(self, session: str, worker_id: str) -> None:
         self._sessions[session] = worker_id
         before = self._live.pop(session, None)

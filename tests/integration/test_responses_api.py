@@ -112,7 +112,9 @@ def test_function_call_round_trip(server):
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     answer = ask(client, previous_response_id=r.id, tools=TOOLS, input=[
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 21, "sky": "clear"}'}])
-    assert answer.previous_response_id == r.id and answer.output[0].type == "message"
+    # the model answers or (tool_choice auto) asks again: a near tie of greedy scores that one CI run saw tip
+    # the other way (a call again); either way the turn continues the first one
+    assert answer.previous_response_id == r.id and answer.output[0].type in ("message", "function_call"), answer
     # the continuation's prompt holds the first turn, its call and the result: longer than the first prompt
     assert answer.usage.input_tokens > r.usage.input_tokens + 10
 

@@ -44,3 +44,14 @@ async def test_a_shared_prefix_under_half_the_prompt_is_not_the_conversation():
     session = session_hashed_to("b", ["a", "b"])
     # 64 of 320 tokens cached on a (a system prompt, say): a new conversation, treated as before
     assert await route(True, 64, session) == await route(False, 64, session) == ("b", "session_affinity")
+
+
+async def test_a_replica_knows_the_sessions_it_routed():
+    """What lets it route their next turns without first pulling the workers' block logs (gateway/completions)."""
+    router = PrefixRouter(MemoryPrefixIndex(), RoutingConfig(), replicas_share=True)
+    long_id = "x" * 500  # kept under its hash
+    assert not router.knows("s1") and not router.knows(None) and not router.knows(long_id)
+    for session in ("s1", long_id):
+        await router.choose([worker("a"), worker("b")], GenerateRequest(request_id="r", prompt_ids=PROMPT,
+                                                                         max_tokens=16, session_id=session))
+    assert router.knows("s1") and router.knows(long_id) and not router.knows("s2")
