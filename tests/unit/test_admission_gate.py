@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission_gate import AdmissionGate
+from gateway.admission_gate import RECHECK_MAX_S, AdmissionGate, recheck_s
 from policy.config import AdmissionConfig
 from policy.types import AdmissionRequest, WorkerLoad
 
@@ -118,7 +118,7 @@ async def test_no_worker_is_503_without_queueing():
 async def test_a_deep_queue_re_routes_at_a_pace_set_by_place_not_every_poll():
     """Only the head can be admitted; requests further back re-check (for an early refusal) more rarely the
     further back they are. 64 queued behind a full worker for 0.5 s at poll_s 10 ms: every one re-routing
-    every poll would be ~3,200 route() calls; by place, about a fifth of that."""
+    every poll would be ~3,200 route() calls; in steps of 8 places (the pace before) ~1,100; one by one ~240."""
     gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=100, queue_deadline_s=30), poll_s=0.01)
     worker, calls = Worker(slots=1), [0]
     worker.running = 1  # full: nobody is admitted while we count
@@ -137,7 +137,7 @@ async def test_a_deep_queue_re_routes_at_a_pace_set_by_place_not_every_poll():
     assert gate.depth == 64
     calls[0] = 0
     await asyncio.sleep(0.5)
-    assert calls[0] < 0.35 * 64 * 50, calls[0]
+    assert calls[0] < 0.12 * 64 * 50, calls[0]
     assert calls[0] > 50  # the head still polls at poll_s
     worker.running = 0  # the slot frees: the head goes at once, and each admitted one wakes the next
     gate.leave()
@@ -151,3 +151,11 @@ async def test_a_deep_queue_re_routes_at_a_pace_set_by_place_not_every_poll():
         if not waiters:
             break
     assert not waiters
+
+
+def test_the_re_check_pace_never_exceeds_the_steps_of_eight():
+    """Deep queues (hundreds) keep the old pace; nobody behind the head re-checks more often than it did."""
+    for ahead in range(0, 2000, 7):
+        old = 0.05 * (1 + ahead // 8)
+        assert recheck_s(0.05, ahead) >= old
+        assert recheck_s(0.05, ahead) <= max(RECHECK_MAX_S, old)  # an early refusal within a second, or as before
