@@ -128,7 +128,7 @@ def recheck_s(poll_s: float, ahead: int) -> float:
     poll_s was most of a gateway replica's event loop (py-spy at 32 clients on 4 slots: 54%); paced by place in
     steps of 8 it was still ~400 decisions a second for 56 queued behind llama-server's 8 places on the CPU box.
     Paced by place one by one, up to RECHECK_MAX_S, it is ~110, and never more than the steps of 8 gave at any
-    depth: the replica's CPU per served request there (64 clients, 16 tokens each) fell from 10.8-12.2 ms to
+    depth: the replica's CPU per served request there (64 clients, 16 tokens each) fell from 10.0-12.8 ms to
     6.7-8.8 (bench/llama_server_parity.py, BENCHMARKS)."""
     if ahead == 0:
         return poll_s
