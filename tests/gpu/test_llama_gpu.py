@@ -210,15 +210,19 @@ def test_real_model_greedy_matches_llamacpp(smollm2, tmp_path):
             # engine's first EOS (seen on the H200: "Paris." then EOS, where llama.cpp had to pick another)
             end = next((i for i, t in enumerate(mine) if t in info.eos_token_ids), len(mine))
             assert end >= 3, f"{text!r}: the engine ends after {end} tokens, too few to compare"
-            # llama.cpp's CUDA products quantize activations to 8 bits (q8_1), its CPU build and the engine do
-            # not: where llama.cpp's own top two are a near-tie the pick may differ, and both runs go their own
-            # way from there. Anywhere else the tokens must be the same.
+            # llama.cpp quantizes activations to 8 bits for its products with quantized weights (q8_1 on CUDA,
+            # q8 on the CPU too), the engine does not: where llama.cpp's own top two are close the pick may
+            # differ, and both runs go their own way from there. On this Q4_1 model "close" reaches ~0.4 nats:
+            # on the H200 (0823fa8) "def fibonacci(n):" parted at token 4 where CUDA llama.cpp had the engine's
+            # token second, 0.42 behind; on the CPU box llama.cpp's CPU build parted from the same engine at
+            # gaps of 0.03 and 0.19 on two of these prompts, and llama.cpp's two builds disagree with each other
+            # at that prompt's first token. Past 0.5 nats, or outside llama.cpp's top two, it is a fault.
             for i in range(end):
                 if mine[i] == theirs[i]:
                     continue
                 top = probs[i].get("top_logprobs") or probs[i].get("top_probs")
                 gap = top[0]["logprob"] - top[1]["logprob"]
-                assert mine[i] in (top[0]["id"], top[1]["id"]) and gap < 0.1, (
+                assert mine[i] in (top[0]["id"], top[1]["id"]) and gap < 0.5, (
                     f"{text!r}: token {i}: GPU engine {mine} llama.cpp {theirs} (llama.cpp's top two {top[:2]})")
                 assert i >= 3, f"{text!r}: only {i} tokens before a near-tie: GPU engine {mine} llama.cpp {theirs}"
                 break

@@ -5,8 +5,12 @@ hold, and 32 streams at once without an error. llama.cpp itself turns the GPU dr
 or with logprobs (server-context.cpp, common/sampling.cpp), and Pulse turns it off for a seeded one
 (workers/llama_server/api.py): on the H200, with the GPU draw, two identical seeded requests parted at token 16;
 with the host draw they still parted at token 15 while the second reused the slot's cached prompt, so a seeded
-request on a GPU server also goes without the prompt cache. Needs a CUDA llama-server (PULSE_LLAMA_SERVER; bench/gpu_build_llama.sh
-builds one on the H200 machine) and the real GGUF (PULSE_GGUF)."""
+request on a GPU server also goes without the prompt cache. That is still not enough on a server of many slots:
+on the H200 (0823fa8) the 32-slot server's repeat parted at token 15 again, and llama-server called directly
+(`-np 4`, the unified KV, the cache off) gave a seeded request sent to another slot different tokens from the
+second one, while the same slot repeated exactly: where a sequence's cells sit in the shared KV changes the
+CUDA kernels' sums. So the repeat is checked on a server of one slot. Needs a CUDA llama-server
+(PULSE_LLAMA_SERVER; bench/gpu_build_llama.sh builds one on the H200 machine) and the real GGUF (PULSE_GGUF)."""
 from __future__ import annotations
 
 import asyncio
@@ -39,14 +43,13 @@ def _inputs() -> tuple[Path, Path]:
     return Path(binary), Path(gguf)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(tmp_path_factory):
+async def start(slots: int, log_dir: Path):
+    """A started backend of `slots` slots (1,024 KV tokens each) with the h200 profile, and the prompt encoder."""
     binary, gguf = _inputs()
     config = PulseConfig.model_validate({
         "model": {"path": str(gguf)},
         "workers": {"backend": "llama-server", "llama_server": {
-            "binary": str(binary), "slots": 32, "kv_tokens": 32 * 1024,
-            "log_dir": str(tmp_path_factory.mktemp("llama-gpu"))}}})
+            "binary": str(binary), "slots": slots, "kv_tokens": slots * 1024, "log_dir": str(log_dir)}}})
     info = load_model_info(str(gguf))
     backend = LlamaServerBackend(config, builtin_profiles()["h200"], info, worker_id="gpu")
     await backend.start()
@@ -55,6 +58,12 @@ async def served(tmp_path_factory):
     def encode(text: str) -> list[int]:
         return ([info.bos_token_id] if info.add_bos else []) + tok.encode(text, add_special_tokens=False).ids
 
+    return backend, encode
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory):
+    backend, encode = await start(32, tmp_path_factory.mktemp("llama-gpu"))
     yield backend, encode
     await backend.close()
 
@@ -85,14 +94,19 @@ async def test_greedy_stream_matches_the_servers_own_greedy_answer(served):
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 32
 
 
-async def test_seeded_sampling_repeats_and_differs_across_seeds(served):
-    backend, encode = served
-    prompt = encode("Write a list of fruits:")
-    runs = {}
-    for seed in (7, 7, 8):
-        hot = SamplingParams(temperature=1.0, seed=seed)  # OpenAI's default: the whole distribution
-        chunks = await collect(backend, req(f"s{seed}-{len(runs)}", prompt, 24, sampling=hot))
-        runs.setdefault(seed, []).append([t for c in chunks for t in c.token_ids])
+async def test_seeded_sampling_repeats_and_differs_across_seeds(tmp_path):
+    """On a server of one slot (the module docstring says why): the same seed gives the same tokens, another
+    seed others."""
+    backend, encode = await start(1, tmp_path)
+    try:
+        prompt = encode("Write a list of fruits:")
+        runs = {}
+        for seed in (7, 7, 8):
+            hot = SamplingParams(temperature=1.0, seed=seed)  # OpenAI's default: the whole distribution
+            chunks = await collect(backend, req(f"s{seed}-{len(runs)}", prompt, 24, sampling=hot))
+            runs.setdefault(seed, []).append([t for c in chunks for t in c.token_ids])
+    finally:
+        await backend.close()
     assert runs[7][0] == runs[7][1]
     assert runs[7][0] != runs[8][0]
 

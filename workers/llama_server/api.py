@@ -83,8 +83,13 @@ def request_body(req: GenerateRequest, id_slot: int | None, exact_seed: bool = F
         # it come out of other CUDA kernels than the first request's whole-prompt batch (llama.cpp issue 2838; its
         # maintainers' advice for determinism is to turn the prompt cache off, and a GB10 report there shows even
         # greedy output changing on a cached repeat). So on a GPU server a seeded request, which asks for the same
-        # tokens again, is evaluated from scratch: it pays its prompt's prefill, no other request does. Not yet
-        # re-run on the H200 with this. Grammars and logprobs take the host draw anyway.
+        # tokens again, is evaluated from scratch: it pays its prompt's prefill, no other request does. On the
+        # H200 (2026-12-02, 0823fa8) that repeats only on the same slot: llama-server called directly with the
+        # unified KV and the cache off gave the same seeded request the same tokens on its slot and others from
+        # the second token on another slot (where its cells sit changes the kernels' sums), and a 32-slot server
+        # behind Pulse parted at token 15. So on a GPU server of several slots a seed is best effort, as OpenAI
+        # documents its own; tests/gpu/test_llama_server_gpu.py checks the repeat on one slot. Grammars and
+        # logprobs take the host draw anyway.
         body["backend_sampling"] = False
         if exact_seed:
             body["cache_prompt"] = False
