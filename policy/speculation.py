@@ -96,16 +96,30 @@ def tokens_per_cost(expected_kept: float, k: int, concurrency: int, draft_token_
     return (1.0 + expected_kept) / share
 
 
-def choose_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
-    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's
-    estimate; 0 when no depth beats plain decoding, except a 1-token probe every PROBE_EVERY such steps."""
-    if cap <= 0:
-        return 0
+def best_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
+    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's estimate
+    (no probe, no change to `acceptance`)."""
     best, best_rate = 0, tokens_per_cost(0.0, 0, concurrency, draft_token_cost)
     for k in range(1, cap + 1):
         rate = tokens_per_cost(acceptance.expected_kept(k), k, concurrency, draft_token_cost)
         if rate > best_rate:
             best, best_rate = k, rate
+    return best
+
+
+def will_draft(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> bool:
+    """Whether choose_depth with these arguments would give a depth above 0 (its next probe included), without
+    counting the step: the engine asks before it launches a step ahead (workers/cupy/speculative.py)."""
+    return cap > 0 and (acceptance.idle + 1 >= PROBE_EVERY
+                        or best_depth(cap, acceptance, concurrency, draft_token_cost) > 0)
+
+
+def choose_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
+    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's
+    estimate; 0 when no depth beats plain decoding, except a 1-token probe every PROBE_EVERY such steps."""
+    if cap <= 0:
+        return 0
+    best = best_depth(cap, acceptance, concurrency, draft_token_cost)
     if best == 0:
         acceptance.idle += 1
         if acceptance.idle >= PROBE_EVERY:

@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 
 from policy.profiles import DeviceProfile, SpeculationRule
+from policy.speculation import SpeculationGate
 from tests.integration.engine_helpers import PROMPTS, encode, make_engine
 from workers.cupy.engine import PENDING
 from workers.cupy.speculative import Speculator
@@ -136,6 +137,29 @@ def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_let
         got, _ = drive(on, requests(greedy))
         assert got == ref
         assert (on.steps_ahead > 0) is ahead, profile.name
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["no-gate", "gate-drafting"])
+def test_drafting_on_with_acceptance_saying_no_lets_steps_overlap_between_probes(gate):
+    """Drafting on (no gate, or the gate's drafting mode), but every sequence's acceptance says depth 0: a drafted
+    token costs a whole step here (draft_token_cost 1), so no depth pays at the prior. Those steps draft nothing
+    whatever the latest token is, so they are launched ahead; the probe every PROBE_EVERY such steps still
+    drafts (one step at a time), and the tokens are the ones plain decoding gives. Before, drafting on kept every
+    step in order (sampled text while the gate explored drafting lost the overlap for nothing)."""
+    costly = DeviceProfile(name="k4-costly", max_draft_tokens=4, draft_token_cost=1.0,
+                           speculation=[SpeculationRule(max_context=10**9, k=4)])
+    lengths = (5, 9, 3, 80, 7, 70)  # two long enough for probes (PROBE_EVERY decode steps)
+    for sampling in (T1, SamplingParams(temperature=0.0)):
+        ref, ref_final = drive(make_engine(), requests(sampling, lengths))
+        on = make_engine(overlap=True)
+        on.speculator = spec = Speculator(costly, gate=gate)
+        if gate:  # an epoch longer than the run: the gate stays in drafting mode, as while it explores drafting
+            spec.gate = SpeculationGate(epoch_steps=10**9)
+        got, final = drive(on, requests(sampling, lengths))
+        assert got == ref
+        same_usage(ref_final, final)
+        assert on.steps_ahead > 0
+        assert spec.steps_by_k[1] > 0, "the probes stopped"
 
 
 def test_the_prefix_cache_gets_the_same_blocks_with_chunked_prompts_joining_steps_launched_ahead():

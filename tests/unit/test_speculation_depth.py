@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost
+from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost, will_draft
 from workers.cupy.drafter import Drafter
 from workers.cupy.speculative import _accept_greedy
 
@@ -78,3 +80,16 @@ def test_the_request_cap_and_table_still_bound_the_depth():
     acc.rates = [1.0] * len(acc.rates)
     assert choose_depth(2, acc, 1, COST) == 2
     assert choose_depth(0, acc, 1, COST) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(cap=st.integers(0, 8), rates=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16),
+       idle=st.integers(0, PROBE_EVERY - 1), concurrency=st.integers(1, 512), cost=st.floats(0.0, 2.0))
+def test_will_draft_says_what_choose_depth_will_do_without_counting_the_step(cap, rates, idle, concurrency, cost):
+    """The engine asks will_draft before it launches a step ahead (no draft possible without the latest token):
+    it must agree with the choose_depth the step would otherwise run, and leave the probe count alone."""
+    acc = Acceptance()
+    acc.rates, acc.idle = list(rates), idle
+    ahead = will_draft(cap, acc, concurrency, cost)
+    assert (acc.rates, acc.idle) == (list(rates), idle)
+    assert ahead == (choose_depth(cap, acc, concurrency, cost) > 0)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy.profiles import DeviceProfile
-from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k
+from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k, will_draft
 from workers.cupy.batch import build_batch
 from workers.cupy.drafter import Drafter
 from workers.cupy.sequence import Sequence
@@ -129,29 +129,34 @@ class Speculator:
 
     def skip_drafts(self, engine, seqs: list[Sequence]) -> bool:
         """Whether the next step of `seqs` (each decoding its next token) drafts nothing whatever their latest
-        tokens are, so it may be launched before those are read (engine.py, overlap): no rule drafts at this
-        concurrency, or the gate has drafting from the context off here and no sequence has a prediction.
+        tokens are, so it may be launched before those are read (engine.py, overlap): no sequence has a
+        prediction, and no rule drafts at this concurrency, or the gate has drafting from the context off here,
+        or it has it on and every sequence's acceptance says depth 0 for this step (no probe due): sampled text
+        while the gate explores drafting, which before ran those steps one at a time for nothing.
         When it does, the step is counted and timed as propose() would count and time it."""
         self._forget_ended(engine)  # steps launched ahead may follow each other without a propose() between
         running = len(engine.scheduler.running)
         if not self.may_draft(running):
             self._timed = None
         else:
-            if self.gate is None:
-                return False
             sampled = 2 * sum(not seq.sampling.greedy for seq in seqs) > len(seqs)
-            if self.gate.drafting(running, sampled):
-                return False
-            eligible = False
+            mode = self.gate.drafting(running, sampled) if self.gate is not None else True
+            cost, eligible = self.profile.draft_token_cost, []
             for seq in seqs:
                 spec = self._seqs.get(seq.request_id)
                 if spec is None:
                     continue
                 if spec.drafter.prediction.size:
                     return False  # a prediction drafts in either mode
-                eligible = eligible or choose_k(len(seq.token_ids) + 1, running, spec.workload, self.profile,
-                                                spec.cap) > 0
-            self._timed = (running, False, sampled) if eligible else None
+                cap = choose_k(len(seq.token_ids) + 1, running, spec.workload, self.profile, spec.cap)
+                if cap > 0:
+                    if mode and will_draft(cap, spec.acceptance, running, cost):
+                        return False  # propose() drafts for it once its latest token is read
+                    eligible.append((cap, spec.acceptance))
+            if mode:
+                for cap, acceptance in eligible:
+                    choose_depth(cap, acceptance, running, cost)  # 0 here: the step counts toward the next probe
+            self._timed = (running, mode, sampled) if eligible and self.gate is not None else None
         self.steps_by_k[0] += len(seqs)
         self.last_k = 0
         return True
