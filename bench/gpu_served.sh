@@ -12,6 +12,11 @@
 # Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
 # clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the
 # summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes, TARGETS the targets.
+# The JSON-schema part: llama-server direct is slow there (2026-12-02 on the H200: 118 tok/s at 32 clients, all 64
+# of its 64-client requests past a 60 s timeout, so the warm-up round alone took the call's 240 s); keep --timeout
+# short and the repeats few so that the call ends with a table:
+#   BENCH_TIMEOUT_S=540 SERVED_ARGS="--clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 2 --warmup 1
+#     --duration 15 --timeout 20" bash bench/gpu_served.sh json
 # The sweep past 64 clients with the engine alone beside it (issue 25), one call:
 #   TARGETS=pulse SERVED_ARGS="--clients 1 16 64 128 256 512 1000 --per-client 2 --repeats 2 --warmup 1
 #     --duration 60 --timeout 120 --engine-alone" bash bench/gpu_served.sh story
