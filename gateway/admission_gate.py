@@ -11,7 +11,8 @@
 "queue" it waits in `FairOrder` (priority, then turns across tenants, then arrival) until `leave()`
 frees capacity, the poll
 interval passes (other gateways' requests finish too), or the deadline passes (then the 429 from
-`expired`). Each wake calls `route()` again, so a queued request may go to whichever worker freed up.
+`expired`). Each wake of the head calls `route()` again, so a queued request may go to whichever worker freed
+up; a waiter behind it calls `recheck()` where given (dispatch: its last routing's target, no new decision).
 Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
 """
 from __future__ import annotations
@@ -56,8 +57,12 @@ class AdmissionGate:
         if self._waiters:
             self._waiters[0][3].set()
 
-    async def enter(self, route: Route, priority: int = 0, tenant: str = "") -> AdmissionDecision:
-        """`tenant`: who the request is charged to for fairness (the API key's id; "" when open)."""
+    async def enter(self, route: Route, priority: int = 0, tenant: str = "", recheck: Route | None = None
+                    ) -> AdmissionDecision:
+        """`tenant`: who the request is charged to for fairness (the API key's id; "" when open). `recheck`: what a
+        waiter behind the head calls instead of `route` (the last routing's target with what it now knows of its
+        health, no new decision): such a waiter cannot be admitted, only refused early, so a whole routing
+        decision (the prompt's hashes, the index, every worker's load) each time it re-checks is wasted work."""
         target, request = await route()
         entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant)
         decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
@@ -69,7 +74,7 @@ class AdmissionGate:
         deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
         try:
-            decision = await self._wait(entry, route, deadline)
+            decision = await self._wait(entry, route, deadline, recheck)
             return decision
         finally:
             self._remove(entry)
@@ -84,7 +89,7 @@ class AdmissionGate:
         else:
             self._fair.withdrawn(entry[:2], entry[4])
 
-    async def _wait(self, entry, route: Route, deadline: float) -> AdmissionDecision:
+    async def _wait(self, entry, route: Route, deadline: float, recheck: Route | None) -> AdmissionDecision:
         poll = self.poll_s
         while True:
             left = deadline - self._clock()
@@ -96,9 +101,13 @@ class AdmissionGate:
                     await entry[3].wait()
             except TimeoutError:
                 pass
-            target, request = await route()
+            behind = recheck is not None and bool(self._waiters) and self._waiters[0] is not entry
+            target, request = await (recheck() if behind else route())
             state = self._state(ahead_of=entry)
             decision = admit(target, request, state, self.cfg)
+            if behind and decision.action == "admit":  # not expected behind the head; never on a stale view
+                target, request = await route()
+                decision = admit(target, request, state, self.cfg)
             if decision.action != "queue":
                 return decision
             poll = recheck_s(self.poll_s, state.depth)

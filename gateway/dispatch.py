@@ -109,10 +109,20 @@ class Dispatcher:
             chosen["result"] = result
             if result.worker is None:
                 return None, self._admission_request(gen, result.cached_tokens)
-            return result.load, self._admission_request(gen, result.cached_tokens, result.worker.info.context_length)
+            chosen["request"] = self._admission_request(gen, result.cached_tokens, result.worker.info.context_length)
+            return result.load, chosen["request"]
+
+        async def recheck():
+            """A queued request behind the head: the worker its last routing chose, if it is still routable (else
+            a new routing), with the load that routing saw; it can only be refused, not admitted, from here."""
+            result, request = chosen.get("result"), chosen.get("request")
+            if result is None or result.worker is None or request is None or not any(
+                    w is result.worker for w in self.pool.routable()):
+                return await route()
+            return result.load, request
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
-            decision = await self.gate.enter(route, gen.priority or 0, gen.tenant)
+            decision = await self.gate.enter(route, gen.priority or 0, gen.tenant, recheck)
             span.set_attribute(tm.PULSE_ADMISSION_RESULT, decision.action if decision.action == "admit"
                                else (decision.code or decision.action))
         if decision.action != "admit" or not chosen.get("result") or chosen["result"].worker is None:

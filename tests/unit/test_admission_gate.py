@@ -159,3 +159,49 @@ def test_the_re_check_pace_never_exceeds_the_steps_of_eight():
         old = 0.05 * (1 + ahead // 8)
         assert recheck_s(0.05, ahead) >= old
         assert recheck_s(0.05, ahead) <= max(RECHECK_MAX_S, old)  # an early refusal within a second, or as before
+
+
+async def test_waiters_behind_the_head_re_check_without_routing_and_are_still_refused_early():
+    """With `recheck`, only the head routes while it waits (a whole decision: hashes, index, loads); the others
+    re-check the last routing's target, which is enough to be refused (they cannot be admitted behind the head),
+    and each still routes once it is the head."""
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=100, queue_deadline_s=30), poll_s=0.01)
+    worker, routes, rechecks = Worker(slots=1), [0], [0]
+    worker.running = 1
+    gone = [False]  # the worker left: a re-check then sees no target
+
+    def calls():
+        inner = worker.route()
+
+        async def route():
+            routes[0] += 1
+            return await inner()
+
+        async def recheck():
+            rechecks[0] += 1
+            load, request = await inner()
+            return (None if gone[0] else load), request
+
+        return route, recheck
+
+    waiters = []
+    for _ in range(16):
+        route, recheck = calls()
+        waiters.append(asyncio.create_task(gate.enter(route, 0, "", recheck)))
+    await asyncio.sleep(0.05)
+    assert gate.depth == 16
+    routes[0] = rechecks[0] = 0
+    await asyncio.sleep(0.5)
+    assert rechecks[0] > 16  # everyone behind the head re-checked at least once
+    assert routes[0] <= 0.5 / 0.01 + 5, routes[0]  # the head's polls only
+    gone[0] = True  # those behind the head learn it at their next re-check: 503, not a wait to the deadline
+    for _ in range(500):
+        if gate.depth == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert gate.depth == 1  # the head, whose own routing still finds the (full) worker
+    refused = [t.result() for t in waiters if t.done()]
+    assert len(refused) == 15 and {(d.status, d.code) for d in refused} == {(503, "no_healthy_worker")}
+    for t in waiters:
+        t.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
