@@ -109,17 +109,16 @@ class Dispatcher:
             chosen["result"] = result
             if result.worker is None:
                 return None, self._admission_request(gen, result.cached_tokens)
-            chosen["request"] = self._admission_request(gen, result.cached_tokens, result.worker.info.context_length)
-            return result.load, chosen["request"]
+            return result.load, self._admission_request(gen, result.cached_tokens, result.worker.info.context_length)
 
         async def recheck():
             """A queued request behind the head: the worker its last routing chose, if it is still routable (else
             a new routing), with the load that routing saw; it can only be refused, not admitted, from here."""
-            result, request = chosen.get("result"), chosen.get("request")
-            if result is None or result.worker is None or request is None or not any(
-                    w is result.worker for w in self.pool.routable()):
+            result = chosen.get("result")
+            w = None if result is None else result.worker
+            if w is None or self.pool.workers.get(w.worker_id) is not w or not w.routable(time.monotonic()):
                 return await route()
-            return result.load, request
+            return result.load, self._admission_request(gen, result.cached_tokens, w.info.context_length)
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
             decision = await self.gate.enter(route, gen.priority or 0, gen.tenant, recheck)

@@ -78,6 +78,10 @@ class Acceptance:
             hit = 1.0 if i < kept else 0.0
             self.rates[i] += ALPHA * (hit - self.rates[i])
 
+    def counted(self, depth: int) -> None:
+        """A step at `depth` (cap > 0): drafting resets the wait for the next probe, depth 0 adds to it."""
+        self.idle = 0 if depth > 0 else self.idle + 1
+
     def expected_kept(self, k: int) -> float:
         """Expected drafts kept at depth k: sum over i <= k of the chance the first i are all kept."""
         total, run = 0.0, 1.0
@@ -96,38 +100,28 @@ def tokens_per_cost(expected_kept: float, k: int, concurrency: int, draft_token_
     return (1.0 + expected_kept) / share
 
 
-def best_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
-    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's estimate
-    (no probe, no change to `acceptance`)."""
+def next_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
+    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's estimate;
+    0 when no depth beats plain decoding, except a 1-token probe when PROBE_EVERY such steps are due. Pure: the
+    engine asks it before it launches a step ahead (workers/cupy/speculative.py); `counted` books the step."""
+    if cap <= 0:
+        return 0
     best, best_rate = 0, tokens_per_cost(0.0, 0, concurrency, draft_token_cost)
     for k in range(1, cap + 1):
         rate = tokens_per_cost(acceptance.expected_kept(k), k, concurrency, draft_token_cost)
         if rate > best_rate:
             best, best_rate = k, rate
+    if best == 0 and acceptance.idle + 1 >= PROBE_EVERY:
+        return 1
     return best
-
-
-def will_draft(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> bool:
-    """Whether choose_depth with these arguments would give a depth above 0 (its next probe included), without
-    counting the step: the engine asks before it launches a step ahead (workers/cupy/speculative.py)."""
-    return cap > 0 and (acceptance.idle + 1 >= PROBE_EVERY
-                        or best_depth(cap, acceptance, concurrency, draft_token_cost) > 0)
 
 
 def choose_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token_cost: float) -> int:
-    """The depth in 0..cap that gives the most tokens per unit of step cost under this sequence's
-    estimate; 0 when no depth beats plain decoding, except a 1-token probe every PROBE_EVERY such steps."""
-    if cap <= 0:
-        return 0
-    best = best_depth(cap, acceptance, concurrency, draft_token_cost)
-    if best == 0:
-        acceptance.idle += 1
-        if acceptance.idle >= PROBE_EVERY:
-            acceptance.idle = 0
-            return 1
-    else:
-        acceptance.idle = 0
-    return best
+    """next_depth, with the step counted toward (or resetting) the sequence's next probe."""
+    k = next_depth(cap, acceptance, concurrency, draft_token_cost)
+    if cap > 0:
+        acceptance.counted(k)
+    return k
 
 
 # The gate: decode steps are timed in epochs of GATE_EPOCH_STEPS steps, all with drafting on or all off;

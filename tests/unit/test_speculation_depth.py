@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost, will_draft
+from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost, next_depth
 from workers.cupy.drafter import Drafter
 from workers.cupy.speculative import _accept_greedy
 
@@ -85,11 +85,11 @@ def test_the_request_cap_and_table_still_bound_the_depth():
 @settings(max_examples=300, deadline=None)
 @given(cap=st.integers(0, 8), rates=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16),
        idle=st.integers(0, PROBE_EVERY - 1), concurrency=st.integers(1, 512), cost=st.floats(0.0, 2.0))
-def test_will_draft_says_what_choose_depth_will_do_without_counting_the_step(cap, rates, idle, concurrency, cost):
-    """The engine asks will_draft before it launches a step ahead (no draft possible without the latest token):
+def test_next_depth_says_what_choose_depth_will_do_without_counting_the_step(cap, rates, idle, concurrency, cost):
+    """The engine asks next_depth before it launches a step ahead (no draft possible without the latest token):
     it must agree with the choose_depth the step would otherwise run, and leave the probe count alone."""
     acc = Acceptance()
     acc.rates, acc.idle = list(rates), idle
-    ahead = will_draft(cap, acc, concurrency, cost)
+    ahead = next_depth(cap, acc, concurrency, cost)
     assert (acc.rates, acc.idle) == (list(rates), idle)
-    assert ahead == (choose_depth(cap, acc, concurrency, cost) > 0)
+    assert ahead == choose_depth(cap, acc, concurrency, cost)

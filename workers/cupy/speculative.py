@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy.profiles import DeviceProfile
-from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k, will_draft
+from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k, next_depth
 from workers.cupy.batch import build_batch
 from workers.cupy.drafter import Drafter
 from workers.cupy.sequence import Sequence
@@ -150,12 +150,12 @@ class Speculator:
                     return False  # a prediction drafts in either mode
                 cap = choose_k(len(seq.token_ids) + 1, running, spec.workload, self.profile, spec.cap)
                 if cap > 0:
-                    if mode and will_draft(cap, spec.acceptance, running, cost):
+                    if mode and next_depth(cap, spec.acceptance, running, cost) > 0:
                         return False  # propose() drafts for it once its latest token is read
-                    eligible.append((cap, spec.acceptance))
+                    eligible.append(spec.acceptance)
             if mode:
-                for cap, acceptance in eligible:
-                    choose_depth(cap, acceptance, running, cost)  # 0 here: the step counts toward the next probe
+                for acceptance in eligible:
+                    acceptance.counted(0)  # the step counts toward the next probe, as choose_depth counts it
             self._timed = (running, mode, sampled) if eligible and self.gate is not None else None
         self.steps_by_k[0] += len(seqs)
         self.last_k = 0
