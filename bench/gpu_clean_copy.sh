@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tree a GPU call runs from: a `git archive` of HEAD in .device/clean (ignored by git), with its commit in
 # .device/clean/COMMIT (bench/machine.py reads it: the copy has no .git of its own, and the enclosing checkout's
-# commit would be wrong), so that uncommitted edits in the working tree never reach the device. Files the device
-# scripts need beside the tree (.devcache, dev_*.sh, ...) are kept from the previous copy.
+# commit would be wrong), so that uncommitted edits in the working tree never reach the device. The derived
+# files the device scripts need beside the tree (.devcache) come from .device/devcache (bench/gpu_stage_extra.sh),
+# else from the previous copy.
 #   bash bench/gpu_clean_copy.sh      # then carry .device/clean and run `cd .device/clean && bash bench/...`
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +12,10 @@ rm -rf "$new" && mkdir -p "$new"
 git archive HEAD | tar x -C "$new"
 git rev-parse HEAD > "$new/COMMIT"
 if [[ -d .device/clean ]]; then
-  for f in .devcache dev_env.sh dev_tests.sh dev_smol.sh smolbench.py smolcache2.tar.xz; do
+  for f in .devcache; do
     [[ -e .device/clean/$f ]] && cp -a ".device/clean/$f" "$new/"
   done
 fi
+[[ -d .device/devcache ]] && rm -rf "$new/.devcache" && cp -a .device/devcache "$new/.devcache"
 rm -rf .device/clean && mv "$new" .device/clean
 echo ".device/clean: $(cat .device/clean/COMMIT) ($(du -sh .device/clean | cut -f1))"
