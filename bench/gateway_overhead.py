@@ -119,7 +119,8 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
     """Start upstream, relay and (unless --no-pulse) Pulse; returns {target: (base url, model id)}."""
     up_port, relay_port = free_port(), free_port()
     up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port), "--tokens", str(args.tokens),
-                                        "--rate", str(args.rate), "--loop", args.loop), log_dir)
+                                        "--rate", str(args.rate), "--ttft", str(args.ttft), "--loop", args.loop),
+              log_dir)
     procs.append(up)
     relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
                                         "--upstream", f"http://127.0.0.1:{up_port}", "--loop", args.loop), log_dir)
@@ -127,7 +128,7 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
     targets = {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
     if not args.no_pulse:
         port = free_port()
-        config = pulse_config(log_dir, args.tokens, args.rate)
+        config = pulse_config(log_dir, args.tokens, args.rate, args.ttft)
         pulse = Proc("pulse", shlex.split(args.pulse_cmd.format(port=port, config=config)), log_dir)
         procs.append(pulse)
         targets["pulse"] = f"http://127.0.0.1:{port}"
@@ -140,11 +141,12 @@ def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str
     return {name: (url, first_model(url)) for name, url in targets.items()}
 
 
-def pulse_config(log_dir: Path, tokens: int, rate: float) -> Path:
-    """A config file giving Pulse's load-test backend the upstream's stream: `tokens` at `rate` tokens/s."""
+def pulse_config(log_dir: Path, tokens: int, rate: float, ttft: float = 0.0) -> Path:
+    """A config file giving Pulse's load-test backend the upstream's stream: `tokens` at `rate` tokens/s, the
+    first after `ttft` seconds."""
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / "pulse.yaml"
-    path.write_text(f"workers:\n  loadtest: {{tokens: {tokens}, tokens_per_s: {rate}}}\n")
+    path.write_text(f"workers:\n  loadtest: {{tokens: {tokens}, tokens_per_s: {rate}, ttft_s: {ttft}}}\n")
     return path
 
 
@@ -235,6 +237,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=0.0,
                     help="tokens/s per stream, upstream and Pulse alike (0: as fast as possible); a rate holds each "
                          "stream open tokens/rate seconds, as agents' streams are")
+    ap.add_argument("--ttft", type=float, default=0.0,
+                    help="seconds before each stream's first token, upstream and Pulse alike (an engine's prefill: "
+                         "the hops' cost after a wait, as in front of llama-server)")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--no-pulse", action="store_true", help="measure the relay against direct only")
     ap.add_argument("--pulse-cmd", default="pulse serve --backend loadtest --model gemma-3-270m --host 127.0.0.1 "

@@ -52,7 +52,7 @@ def stream_events(chat: bool, model: str, n: int, include_usage: bool) -> list[d
     return events
 
 
-def upstream_app(tokens: int = 16, rate: float = 0.0) -> web.Application:
+def upstream_app(tokens: int = 16, rate: float = 0.0, ttft: float = 0.0) -> web.Application:
     async def generate(request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
@@ -78,6 +78,8 @@ def upstream_app(tokens: int = 16, rate: float = 0.0) -> web.Application:
             # events right after the last token, as Pulse's load-test backend sends its stream
             if rate and first_token < i < first_token + n:
                 await asyncio.sleep(1.0 / rate)
+            elif ttft and i == first_token:  # an engine's prefill before the first token
+                await asyncio.sleep(ttft)
             await resp.write(sse(event))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -136,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("upstream", help="stream `tokens` OpenAI SSE events per request")
     up.add_argument("--tokens", type=int, default=16)
     up.add_argument("--rate", type=float, default=0.0, help="tokens/s per stream; 0 = as fast as possible")
+    up.add_argument("--ttft", type=float, default=0.0, help="seconds before the first token (0: at once)")
     rel = sub.add_parser("relay", help="forward everything to --upstream")
     rel.add_argument("--upstream", required=True)
     for p in (up, rel):
@@ -143,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--port", type=int, required=True)
         p.add_argument("--loop", choices=loops.CHOICES, default="auto", help="event loop (auto: uvloop if installed)")
     args = ap.parse_args(argv)
-    app = upstream_app(args.tokens, args.rate) if args.role == "upstream" else relay_app(args.upstream)
+    app = upstream_app(args.tokens, args.rate, args.ttft) if args.role == "upstream" else relay_app(args.upstream)
     # access_log=None: logging every request would be most of what a relay this small costs; the backlog is
     # the gateway's (1024), so a thousand clients connecting at once are not dropped here and not there
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=loops.new_loop(args.loop),
