@@ -344,7 +344,7 @@ def run(args) -> dict:
         with owned_processes() as procs:
             port = free_port()
             proc = Proc(f"worker-{mode}-{rep}", python_module(
-                "bench.worker_path", "serve", "--port", str(port), "--secret", secret, "--step-ms", str(args.step_ms),
+                "bench.worker_path", "serve", "--port", str(port), f"--secret={secret}", "--step-ms", str(args.step_ms),
                 "--batch", str(args.batch), "--engine-python-ms", str(args.engine_python_ms), "--loop", args.loop,
                 "--process", mode), log_dir)
             procs.append(proc)

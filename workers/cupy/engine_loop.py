@@ -7,7 +7,7 @@ socket to the worker process, whose event loop then serves the streams). The loo
 Under load the step thread holds outputs back for a few steps and hands them over together (see
 HANDOVER_S_PER_STREAM): every hand-over wakes each running request's task and costs one write on its stream, all
 under the GIL that the step thread needs between device steps (in one process), so at 64 streams handing over
-every step left the engine waiting for the event loop. A request's first token is handed over at once.
+every step left the engine waiting for the event loop. A request's first token is handed over at once, alone.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ STOP = object()
 HANDOVER_S_PER_STREAM = 50e-6
 
 
-def handover_due(held_s: float, streams: int, first_token: bool) -> bool:
-    """Whether the step thread hands its held outputs over now: at once for a request's first token (time
-    to first token is not traded), else once they have been held (`held_s`: since the last hand-over)
-    HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once)."""
-    return first_token or held_s >= HANDOVER_S_PER_STREAM * streams
+def handover_due(held_s: float, streams: int) -> bool:
+    """Whether the step thread hands its held outputs over now: once they have been held (`held_s`: since the
+    last hand-over) HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once). A request's
+    first token does not wait for this: it goes at once, on its own (EngineLoop._keep)."""
+    return held_s >= HANDOVER_S_PER_STREAM * streams
 
 
 class EngineLoop:
@@ -75,16 +75,30 @@ class EngineLoop:
                 self._keep(outputs)
 
     def _keep(self, outputs: list) -> None:
-        """Add a step's outputs to the outbox; hand it over when handover_due says so."""
-        self._outbox += outputs
-        first = False
+        """Add a step's outputs to the outbox; hand it over when handover_due says so. A request's first token
+        goes at once (time to first token is not traded), on its own: the others' outputs stay held. Handing
+        everything over with it made every step a hand-over of every stream once requests arrive about every
+        step, as past saturation, where a finished request's place is taken at once: the event loop then woke
+        each running stream each step."""
+        first: list = []
         if self._fresh:
             for out in outputs:
                 if out.request_id in self._fresh:
                     self._fresh.discard(out.request_id)
-                    first = True
-        if handover_due(time.monotonic() - self._handed_at, len(outputs), first):
+                    first.append(out)
+        if handover_due(time.monotonic() - self._handed_at, len(outputs)):
+            self._outbox += outputs
             self._hand_over()
+            return
+        if first:
+            # a fresh request has nothing held (this is its first output), so sending it ahead of what is held
+            # keeps each request's outputs in order
+            if len(first) < len(outputs):
+                ids = {out.request_id for out in first}
+                self._outbox += [out for out in outputs if out.request_id not in ids]
+            self.emit(first)
+        else:
+            self._outbox += outputs
 
     def _hand_over(self) -> None:
         if self._outbox:
