@@ -32,22 +32,30 @@ async def test_first_token_after_ttft_then_the_rate(ttft_s):
     assert ttft_s + 0.2 <= total < ttft_s + 0.35  # two gaps after the first token
 
 
+@pytest.mark.parametrize("ttft", [0.0, 0.3])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-async def test_the_bench_upstream_paces_only_between_tokens(path):
+async def test_the_bench_upstream_paces_only_between_tokens(path, ttft):
     """bench/relay.py's upstream: 3 tokens at 10/s take two gaps (0.2 s), as the load-test backend's do; the finish
-    and usage events follow the last token at once (they had waited a gap each: 0.4 s a stream)."""
+    and usage events follow the last token at once (they had waited a gap each: 0.4 s a stream). With `ttft` the
+    first token comes that much later (a chat stream's role event still at once), as the backend's `ttft_s`."""
     import aiohttp
     from aiohttp.test_utils import TestServer
 
     from bench.relay import upstream_app
 
-    async with TestServer(upstream_app(tokens=3, rate=10), host="127.0.0.1") as server:
+    async with TestServer(upstream_app(tokens=3, rate=10, ttft=ttft), host="127.0.0.1") as server:
         async with aiohttp.ClientSession() as session:
             t0 = time.perf_counter()
             body = {"model": "m", "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True},
                     **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})}
+            first = None
             async with session.post(server.make_url(path), json=body) as r:
-                raw = await r.read()
+                raw = b""
+                async for line in r.content:
+                    raw += line
+                    if first is None and b" tok" in line:
+                        first = time.perf_counter() - t0
             total = time.perf_counter() - t0
     assert raw.count(b" tok") == 3 and raw.endswith(b"data: [DONE]\n\n")
-    assert 0.2 <= total < 0.28
+    assert ttft <= first < ttft + 0.08
+    assert ttft + 0.2 <= total < ttft + 0.28
