@@ -11,11 +11,10 @@ new=.device/clean.new
 rm -rf "$new" && mkdir -p "$new"
 git archive HEAD | tar x -C "$new"
 git rev-parse HEAD > "$new/COMMIT"
-if [[ -d .device/clean ]]; then
-  for f in .devcache; do
-    [[ -e .device/clean/$f ]] && cp -a ".device/clean/$f" "$new/"
-  done
+if [[ -d .device/devcache ]]; then
+  cp -a .device/devcache "$new/.devcache"
+elif [[ -e .device/clean/.devcache ]]; then
+  cp -a .device/clean/.devcache "$new/"
 fi
-[[ -d .device/devcache ]] && rm -rf "$new/.devcache" && cp -a .device/devcache "$new/.devcache"
 rm -rf .device/clean && mv "$new" .device/clean
 echo ".device/clean: $(cat .device/clean/COMMIT) ($(du -sh .device/clean | cut -f1))"
