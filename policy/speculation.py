@@ -67,13 +67,18 @@ PROBE_EVERY = 32
 class Acceptance:
     """One sequence's acceptance estimate by draft position (1st, 2nd, ... draft token)."""
 
-    def __init__(self, width: int = 16):
-        self.rates = [PRIOR] * width
+    def __init__(self, width: int = 16, prior: list[float] | None = None):
+        """`prior`: where the estimate starts (AcceptancePrior: what the worker's recent sequences of the same
+        kind ended with); None: PRIOR at every position."""
+        self.rates = list(prior[:width]) if prior is not None else [PRIOR] * width
+        self.rates += [PRIOR] * (width - len(self.rates))
         self.idle = 0  # steps since this sequence last drafted because its estimate said no
+        self.verified = 0  # drafts verified so far: 0, the estimate is still its prior
 
     def update(self, drafted: int, kept: int) -> None:
         """A verified draft: positions 1..kept were kept, position kept+1 (if drafted) was rejected;
         positions after that say nothing."""
+        self.verified += 1
         for i in range(min(drafted, kept + 1, len(self.rates))):
             hit = 1.0 if i < kept else 0.0
             self.rates[i] += ALPHA * (hit - self.rates[i])
@@ -89,6 +94,40 @@ class Acceptance:
             run *= r
             total += run
         return total
+
+
+# A new sequence's estimate starts from what the worker's recent sequences of its kind ended with, each that
+# verified a draft moving it PRIOR_ALPHA of the way. A fixed 0.5 had every new sampled sequence draft 8 deep from its
+# first step until enough rejections brought it down: on the H200 one client's sampled story text ran 0.90x of
+# speculation off (BENCHMARKS.md, issue 19), each request paying those verify steps (run in order, not overlapped).
+PRIOR_ALPHA = 0.5
+
+
+class AcceptancePrior:
+    """Per kind of sequence (the caller's key: e.g. sampled or greedy, drafting from its context or from a given
+    prediction), the acceptance by draft position that a new sequence of that kind starts from.
+
+        acc = prior.start(kind)      # a new sequence's Acceptance
+        prior.ended(kind, acc)       # it finished: its estimate teaches the next ones (if it verified a draft)
+    """
+
+    def __init__(self, width: int = 16):
+        self.width = width
+        self._rates: dict[object, list[float]] = {}
+
+    def start(self, kind) -> Acceptance:
+        return Acceptance(self.width, self._rates.get(kind))
+
+    def ended(self, kind, acceptance: Acceptance) -> None:
+        if not acceptance.verified:  # it never drafted: its estimate is only the prior it was given
+            return
+        rates = self._rates.setdefault(kind, [PRIOR] * self.width)
+        for i, r in enumerate(acceptance.rates[: self.width]):
+            rates[i] += PRIOR_ALPHA * (r - rates[i])
+
+    def snapshot(self) -> dict:
+        """{kind: [rate by draft position]} for /stats."""
+        return {str(kind): [round(r, 3) for r in rates] for kind, rates in self._rates.items()}
 
 
 def tokens_per_cost(expected_kept: float, k: int, concurrency: int, draft_token_cost: float) -> float:
@@ -125,15 +164,19 @@ def choose_depth(cap: int, acceptance: Acceptance, concurrency: int, draft_token
 
 
 # The gate: decode steps are timed in epochs of GATE_EPOCH_STEPS steps, all with drafting on or all off;
-# every GATE_EXPLORE_EVERY-th epoch of a bucket runs the mode that measured worse, so a change in the
-# traffic (text turning into a code edit) is noticed. Each mode's rate is a moving average over epochs. Where one
+# GATE_EXPLORE_EVERY epochs after a bucket last tried it, one epoch runs the mode that measured worse, so a change in
+# the traffic (text turning into a code edit) is noticed. Each mode's rate is a moving average over epochs. Where one
 # mode measured at least GATE_CLEAR_RATIO times the other (drafting on a code edit at one stream: 2.5-3x on the
 # H200), the other is re-tried GATE_CLEAR_SLOWER times less often: each such epoch costs most of its steps' gain.
+# Each re-try that finds the worse mode still worse doubles the wait for the next, up to 2**GATE_BACKOFF_MAX
+# times; one that finds it better switches to it and starts the waits over. At a fixed one in eight, one client's
+# sampled story text on the H200 spent 1 epoch in 8 drafting at a loss, most of its 0.90x of speculation off.
 GATE_EPOCH_STEPS = 16
 GATE_EXPLORE_EVERY = 8
 GATE_ALPHA = 0.5
 GATE_CLEAR_RATIO = 2.0
 GATE_CLEAR_SLOWER = 4
+GATE_BACKOFF_MAX = 3
 
 
 @dataclass
@@ -144,6 +187,9 @@ class _GateBucket:
     seconds: float = 0.0
     epochs: int = 0
     rate: dict = field(default_factory=dict)  # {drafting: tokens per second}
+    exploring: bool = False  # the epoch under way re-tries the mode that measured worse
+    confirmed: int = 0  # re-tries in a row that found it still worse (the wait for the next doubles with each)
+    next_explore: int = 0  # the epoch count after which the next re-try runs (0: not yet set)
 
 
 class SpeculationGate:
@@ -200,9 +246,14 @@ class SpeculationGate:
             st.drafting = not st.drafting
             return
         best = st.rate[True] >= st.rate[False]
-        hi, lo = max(st.rate.values()), min(st.rate.values())
-        every = self.explore_every * (GATE_CLEAR_SLOWER if hi >= GATE_CLEAR_RATIO * lo else 1)
-        st.drafting = (not best) if st.epochs % every == 0 else best
+        if st.exploring:
+            st.confirmed = min(st.confirmed + 1, GATE_BACKOFF_MAX) if st.drafting != best else 0
+        if st.exploring or not st.next_explore:
+            hi, lo = max(st.rate.values()), min(st.rate.values())
+            wait = self.explore_every * (GATE_CLEAR_SLOWER if hi >= GATE_CLEAR_RATIO * lo else 1) << st.confirmed
+            st.next_explore = st.epochs + wait - 1  # the re-try is the wait's last epoch
+        st.exploring = st.epochs >= st.next_explore
+        st.drafting = (not best) if st.exploring else best
 
     def snapshot(self) -> dict:
         """{bucket's lowest concurrency (greedy batches) or "<it> sampled": {"drafting": mode now, "on": tok/s,

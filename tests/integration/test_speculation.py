@@ -183,6 +183,22 @@ def test_seeded_sampling_is_batch_and_speculation_invariant(prompts):
     assert finals[0].drafted_tokens > 0
 
 
+def test_a_finished_sequence_teaches_its_kinds_prior(prompts):
+    """The engine's speculator hands a finished sequence's acceptance to the prior its kind's next sequences
+    start from (policy.speculation.AcceptancePrior): sampled text here, not greedy, not a prediction's."""
+    from policy.speculation import PRIOR
+
+    engine = spec_engine(4)
+    spec = engine.speculator
+    _, finals = generate(engine, prompts[:1], 12, sampling=SamplingParams(temperature=1.0, seed=7))
+    assert finals[0].drafted_tokens > 0
+    generate(engine, prompts[1:2], 4, tag="s")  # the next request's steps find the first one gone
+    learned = spec.prior.snapshot()
+    assert list(learned) == [str(("text", True, False))]
+    assert spec.prior.start(("text", True, False)).rates != [PRIOR] * 16
+    assert spec.prior.start(("text", False, False)).rates == [PRIOR] * 16
+
+
 def test_every_sampled_row_was_staged_before_its_forward(prompts):
     """The device sampler's contract (workers/cupy/gpu GpuSampler draws inside the step): the rows the engine
     samples, in plain and verify steps alike, are exactly the rows it staged before that step's forward, at

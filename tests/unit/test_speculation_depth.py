@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.speculation import PROBE_EVERY, Acceptance, choose_depth, tokens_per_cost, next_depth
+from policy.speculation import (PRIOR, PROBE_EVERY, Acceptance, AcceptancePrior, choose_depth, next_depth,
+                               tokens_per_cost)
 from workers.cupy.drafter import Drafter
 from workers.cupy.speculative import _accept_greedy
 
@@ -16,9 +17,9 @@ CAP = 4
 COST = 0.05
 
 
-def decode(stream: list[int], prompt_len: int, concurrency: int = 1) -> list[int]:
+def decode(stream: list[int], prompt_len: int, concurrency: int = 1, acc: Acceptance | None = None) -> list[int]:
     """Generate `stream` after its first prompt_len tokens with speculation; the depth chosen each step."""
-    drafter, acc = Drafter(), Acceptance()
+    drafter, acc = Drafter(), acc or Acceptance()
     tokens, depths = list(stream[:prompt_len]), []
     while len(tokens) < len(stream):
         k = choose_depth(CAP, acc, concurrency, COST)
@@ -93,3 +94,43 @@ def test_next_depth_says_what_choose_depth_will_do_without_counting_the_step(cap
     ahead = next_depth(cap, acc, concurrency, cost)
     assert (acc.rates, acc.idle) == (list(rates), idle)
     assert ahead == choose_depth(cap, acc, concurrency, cost)
+
+
+def test_a_new_sequence_starts_from_what_its_kind_ended_with():
+    """Noise (drafts never kept) teaches its kind's prior: the next such sequence starts at depth 0 instead of
+    drafting deep until its own rejections bring it down; a code edit of another kind still starts drafting
+    deep, and a sequence that never drafted teaches nothing."""
+    rng = np.random.default_rng(3)
+    prior = AcceptancePrior()
+    fresh = decode(rng.integers(0, 40, 400).tolist(), 100, acc=prior.start("noise"))
+    assert fresh[0] > 1 and sum(d > 1 for d in fresh) >= 3  # the fixed 0.5: drafts deep before it learns
+    for _ in range(6):
+        acc = prior.start("noise")
+        decode(rng.integers(0, 40, 400).tolist(), 100, acc=acc)
+        prior.ended("noise", acc)
+    learned = decode(rng.integers(0, 40, 400).tolist(), 100, acc=prior.start("noise"))
+    assert learned[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1) and max(learned) <= 1  # probes only
+    assert prior.start("code").rates[0] == PRIOR
+    source = rng.integers(100, 5000, 300).tolist()
+    assert decode(source + [1, 2] + source, len(source) + 2, acc=prior.start("code"))[0] > 1
+    before = prior.start("noise").rates
+    prior.ended("noise", Acceptance(prior=[1.0] * 16))  # never verified a draft: only the prior it was given
+    assert prior.start("noise").rates == before
+
+
+def test_a_kind_that_starts_repeating_comes_back():
+    """The prior follows its kind: sequences whose drafts are kept again raise it, so new ones draft again."""
+    rng = np.random.default_rng(4)
+    prior = AcceptancePrior()
+    for _ in range(6):
+        acc = prior.start("text")
+        decode(rng.integers(0, 40, 400).tolist(), 100, acc=acc)
+        prior.ended("text", acc)
+    assert decode(rng.integers(0, 40, 200).tolist(), 100, acc=prior.start("text"))[0] == 0
+    for _ in range(6):
+        block = rng.integers(100, 5000, 200).tolist()
+        acc = prior.start("text")
+        decode(rng.integers(0, 40, 100).tolist() + block + block, 100, acc=acc)
+        prior.ended("text", acc)
+    block = rng.integers(100, 5000, 200).tolist()
+    assert decode(block + [1] + block, 201, acc=prior.start("text"))[0] > 1

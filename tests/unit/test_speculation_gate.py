@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy.speculation import GATE_CLEAR_RATIO, GATE_CLEAR_SLOWER, SpeculationGate
+from policy.speculation import GATE_BACKOFF_MAX, GATE_CLEAR_RATIO, GATE_CLEAR_SLOWER, SpeculationGate
 
 EPOCH, EXPLORE = 4, 8
 
@@ -30,18 +30,27 @@ def test_starts_drafting_then_measures_the_other_mode():
 
 
 @pytest.mark.parametrize("rate_on, rate_off, keep, every", [
-    (100.0, 150.0, False, EXPLORE),  # a close call: one epoch in EXPLORE re-tries the other mode
+    (100.0, 150.0, False, EXPLORE),  # a close call: the first re-try of the other mode EXPLORE epochs on
     (150.0, 100.0, True, EXPLORE),
     (300.0, 100.0, True, EXPLORE * GATE_CLEAR_SLOWER),  # a clear winner (code at one stream): rarer
     (100.0, 100.0 * GATE_CLEAR_RATIO, False, EXPLORE * GATE_CLEAR_SLOWER),
 ])
-def test_keeps_the_faster_mode_and_explores_the_other_rarely(rate_on, rate_off, keep, every):
+def test_keeps_the_faster_mode_and_explores_the_other_ever_more_rarely(rate_on, rate_off, keep, every):
+    """Each re-try that finds the other mode still worse doubles the wait for the next, up to a cap."""
     gate = SpeculationGate(EPOCH, EXPLORE)
-    modes = run(gate, 1, 2 * EPOCH + 80 * EPOCH, rate_on, rate_off)[2 * EPOCH:]
-    epochs = [modes[i] for i in range(0, len(modes), EPOCH)]
+    total = 2 + 20 * every  # the two measuring epochs, then enough to reach the cap
+    modes = run(gate, 1, total * EPOCH, rate_on, rate_off)
     assert all(len(set(modes[i:i + EPOCH])) == 1 for i in range(0, len(modes), EPOCH))  # whole epochs
-    kept = sum(m == keep for m in epochs)
-    assert kept == len(epochs) - (len(epochs) + 2) // every  # epochs counted from the two measuring ones
+    tried = [i + 1 for i in range(2, total) if modes[i * EPOCH] != keep]  # 1-based epoch numbers
+    expected, at, n = [], 2, 0
+    while True:
+        at += every << min(n, GATE_BACKOFF_MAX)
+        if at > total:
+            break
+        expected.append(at)
+        n += 1
+    assert tried == expected
+    assert len(expected) >= 3 and expected[-1] - expected[-2] == every << GATE_BACKOFF_MAX  # the cap reached
 
 
 def test_follows_a_change_in_the_traffic():
@@ -52,6 +61,17 @@ def test_follows_a_change_in_the_traffic():
     modes = run(gate, 1, 40 * EPOCH, 400.0, 150.0)
     assert all(modes[-EXPLORE * EPOCH + EPOCH:][:EPOCH])  # on again well before the end
     assert sum(modes[-EXPLORE * EPOCH:]) >= (EXPLORE - 1) * EPOCH
+
+
+def test_a_retry_that_wins_switches_and_starts_the_waits_over():
+    gate = SpeculationGate(EPOCH, EXPLORE)
+    run(gate, 1, 60 * EPOCH, 100.0, 150.0)  # text: re-tries of drafting at epochs 10, 26 and 58 (waits 8, 16, 32)
+    st = gate._state(1)
+    assert not gate.drafting(1) and st.confirmed == 3 and st.next_explore == 58 + EXPLORE * 8 - 1
+    modes = run(gate, 1, (122 - 60) * EPOCH, 400.0, 150.0)  # a code edit from epoch 61: re-tried at epoch 122
+    assert not any(modes[:-EPOCH]) and all(modes[-EPOCH:])
+    assert gate.drafting(1) and st.confirmed == 0  # drafting won there: on, and the waits from EXPLORE again
+    assert st.next_explore == 122 + EXPLORE - 1
 
 
 def test_buckets_are_independent():

@@ -181,7 +181,8 @@ def engine_snapshot(eng) -> dict:
             "drafted_by_position": list(spec.drafted_by_position),
             "accepted_by_position": list(spec.accepted_by_position),
             "speculation_gate": ({} if spec.gate is None
-                                 else {str(c): v for c, v in spec.gate.snapshot().items()})}),
+                                 else {str(c): v for c, v in spec.gate.snapshot().items()}),
+            "speculation_prior": spec.prior.snapshot()}),
         "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
         "slots": eng.scheduler.max_num_seqs, "kv_blocks_total": eng.blocks.num_blocks,
         "kv_blocks_used": eng.blocks.pressure_used, "block_size": eng.blocks.block_size, "tokens_per_s": gen,

@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy.profiles import DeviceProfile
-from policy.speculation import SCHEMA, TEXT, Acceptance, SpeculationGate, choose_depth, choose_k, next_depth
+from policy.speculation import (SCHEMA, TEXT, Acceptance, AcceptancePrior, SpeculationGate, choose_depth, choose_k,
+                               next_depth)
 from workers.cupy.batch import build_batch
 from workers.cupy.drafter import Drafter
 from workers.cupy.sequence import Sequence
@@ -44,6 +45,7 @@ class _SeqSpec:
     cap: int | None  # the request's max_draft_tokens
     workload: str
     acceptance: Acceptance  # this sequence's online acceptance by draft position
+    kind: tuple  # (workload, sampled, drafts from a given prediction): whose acceptance it starts from
 
 
 class Speculator:
@@ -56,6 +58,7 @@ class Speculator:
         self.gate = SpeculationGate() if gate else None
         self._timed: tuple[int, bool] | None = None  # (running, drafting mode) of the step being timed
         self._seqs: dict[str, _SeqSpec] = {}
+        self.prior = AcceptancePrior()  # a new sequence's acceptance starts from its kind's recent ones
         width = max(profile.max_draft_tokens, 1)
         self.last_k: int | None = None  # the largest K chosen in the latest decode step
         self.steps_by_k = [0] * (profile.max_draft_tokens + 1)  # decoding sequence-steps at each K
@@ -69,7 +72,8 @@ class Speculator:
         # a penalized sequence never drafts: its logits change with every token it emits, which the verify
         # rows (all computed in one step) would not see
         cap = 0 if request.sampling.penalized else request.max_draft_tokens
-        self._seqs[seq.request_id] = _SeqSpec(drafter, cap, workload, Acceptance())
+        kind = (workload, not request.sampling.greedy, bool(drafter.prediction.size))
+        self._seqs[seq.request_id] = _SeqSpec(drafter, cap, workload, self.prior.start(kind), kind)
 
     # --- drafting ----------------------------------------------------------------------------------
     def _decodes(self, seq: Sequence, n: int) -> bool:
@@ -163,7 +167,8 @@ class Speculator:
 
     def _forget_ended(self, engine) -> None:
         for rid in [r for r in self._seqs if r not in engine.seqs]:  # finished or aborted since
-            del self._seqs[rid]
+            spec = self._seqs.pop(rid)
+            self.prior.ended(spec.kind, spec.acceptance)
 
     def may_draft(self, running: int) -> bool:
         """Whether any rule of the profile's table gives K > 0 at this concurrency (choose_k's first match

@@ -120,6 +120,8 @@ class BackendStats(msgspec.Struct):
     accepted_by_position: list[int] = []
     # the speculation gate by concurrency bucket: {"1": {"drafting": bool, "on": tok/s, "off": tok/s}, ...}
     speculation_gate: dict[str, dict] = {}
+    # where a new sequence's acceptance starts, by kind: {"('text', sampled, prediction)": [rate by draft position]}
+    speculation_prior: dict[str, list[float]] = {}
     # the GPU engine's forwards by path, cumulative: {"graph": n, "verify": n, "eager": n}; eager ones carry a
     # prompt (or a step no graph fits) and cost several graph steps (BENCHMARKS.md, issue 25)
     forwards_by_path: dict[str, int] = {}
