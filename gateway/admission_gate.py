@@ -115,7 +115,7 @@ class AdmissionGate:
     def _state(self, ahead_of) -> QueueState:
         """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""
         waiting = self._waiters if ahead_of is None else [e for e in self._waiters if e[:3] < ahead_of[:3]]
-        return QueueState(Counter(-e[0] for e in waiting), self.drain_rate())
+        return QueueState(Counter(-e[0] for e in waiting), self.drain_rate(), queued=len(self._waiters))
 
     def _remove(self, entry) -> None:
         try:

@@ -74,6 +74,12 @@ class Dispatcher:
                 # stale, e.g. a worker restarted with another model): both try another worker
                 if e.status < 500 and e.status not in (421, 429):
                     raise APIError(e.status, e.message, code=e.code) from None
+                if e.status == 429 and w.worker_id not in exclude:
+                    # full, not gone: counted full until its next poll, so this request waits in the queue for
+                    # a place there (or another worker's) instead of running out of workers (that was a 503
+                    # "no healthy worker" from the only worker, under load from two replicas)
+                    w.refused = True
+                    tried.discard(w.worker_id)
                 continue
             except BaseException:
                 w.closed()

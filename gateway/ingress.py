@@ -71,7 +71,9 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     tracer = QuietTracer(provider.get_tracer("pulse.gateway"))  # no child spans when not recorded
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
     router = PrefixRouter(index, config.routing, replicas_share=(config.server.gateway_replicas or 1) > 1)
-    dispatcher = Dispatcher(pool, router, AdmissionGate(config.admission), metrics,
+    gate = AdmissionGate(config.admission)
+    pool.queue_depth = lambda: gate.depth  # the workers hear it: replicas share their places by demand
+    dispatcher = Dispatcher(pool, router, gate, metrics,
                             tracer, context_length=models.default.context_length, index=index)
     auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,
                    open_when_empty=config.keys.open_when_empty)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,6 +53,9 @@ class WorkerState:
     inflight_peak: int = 0  # the peak since the last poll was sent
     pending_prefill: int = 0  # uncached prompt tokens sent there that have not produced a first chunk yet
     healthy: bool = True
+    # it answered 429 (no room: this gateway's view of it was stale, e.g. another replica took the place it saw
+    # free) since the last poll: admission counts it full, so requests wait in the queue until the next poll
+    refused: bool = False
     failures: int = 0  # consecutive failures (circuit breaker)
     open_until: float = 0.0  # circuit open: not routed to before this time
     last_seen: float = 0.0
@@ -109,6 +113,10 @@ class WorkerPool:
         self._channels = Channels(connect_timeout_s=5, read_timeout_s=first_byte_timeout_s)
         self._poller: asyncio.Task | None = None
         self._rediscovering: set[str] = set()
+        # how this gateway names itself to the workers, and how many requests wait in its admission queue (set by
+        # whoever owns the queue): each poll tells the workers, so that replicas share their places by demand
+        self.gateway_id = secrets.token_hex(8)
+        self.queue_depth: Callable[[], int] = lambda: 0
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True,
@@ -193,13 +201,13 @@ class WorkerPool:
         assert self._session is not None
         before, w.inflight_peak = w.inflight_peak, w.inflight  # see WorkerState.polled_own
         try:
-            async with self._session.get(w.info.url + "/stats", headers=w.auth,
-                                         timeout=aiohttp.ClientTimeout(total=2)) as r:
+            url = f"{w.info.url}/stats?gateway={self.gateway_id}&waiting={self.queue_depth()}"
+            async with self._session.get(url, headers=w.auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     raise BackendError(f"stats answered {r.status}")
                 w.stats = stats_decoder.decode(await r.read())
             w.polled_own = max(before, w.inflight_peak)
-            w.healthy, w.last_seen = w.stats.healthy, time.monotonic()
+            w.healthy, w.last_seen, w.refused = w.stats.healthy, time.monotonic(), False
         except (TimeoutError, aiohttp.ClientError, BackendError, OSError):
             w.healthy = False
             if rediscover:

@@ -171,6 +171,7 @@ def load_of(w, sessions: int = 0, shared_pending_prefill: int = 0) -> WorkerLoad
         "healthy": w.healthy and w.stats.healthy,
         "block_size": w.info.block_size,
         "sessions": sessions,
+        "refused": w.refused,
     })
 
 

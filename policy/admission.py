@@ -50,7 +50,8 @@ def admit(
     too_big = _never_fits(target, request, max_tokens, cfg)
     if too_big is not None:
         return too_big
-    if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg):
+    if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg) \
+            and not over_share(target, queue, cfg):
         return AdmissionDecision("admit", max_tokens=max_tokens)
     return _queue_or_reject(request, queue, cfg, max_tokens)
 
@@ -119,10 +120,32 @@ def _never_fits(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: 
 
 
 def _fits_now(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> bool:
-    if w.active >= w.slots + cfg.worker_queue_max:
+    if w.refused or w.active >= w.slots + cfg.worker_queue_max:
         return False
     free = w.kv_free_tokens
     return free is None or kv_tokens_needed(request, max_tokens, cfg) <= free
+
+
+def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
+    """Whether this gateway already holds its share of the worker's places while other gateways have requests
+    waiting for them: then a place it frees is left to them (they see it at their next stats poll).
+
+    Each gateway replica refills the places its own requests free the moment they leave, and sees the others'
+    only through the worker's stats, so without this the share of the places each replica held stayed where the
+    first burst left it: on the H200 at 1,000 clients over 4 replicas a replica holding few places kept a long
+    queue (TTFT p99 8.5 s against a p50 of 1.0 s) and passed its queue_max while the others' queues were short
+    (BENCHMARKS.md, issue 25). A replica's share is the worker's places (slots and its own queue) in proportion
+    to its demand (its requests there, and its queue) against everyone's (the worker's other requests and the
+    other gateways' queues, as they last told the worker), rounded to the nearest place and at least one. Rounded
+    up, two replicas with 8 and 4 requests for 2 places would both have 2 (the first to take them kept them);
+    rounded to the nearest, a place can stay free while others wait (shares of 85.3 places each for 256), at most
+    half a place a replica."""
+    if w.gateways_waiting <= 0:
+        return False
+    mine = w.inflight + max(1, queue.queued)
+    others = max(0, w.active - w.inflight) + w.gateways_waiting
+    share = max(1, math.floor((w.slots + cfg.worker_queue_max) * mine / (mine + others) + 0.5))
+    return w.inflight >= share
 
 
 def _queue_or_reject(request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig, max_tokens: int):

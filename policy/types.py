@@ -50,6 +50,8 @@ class WorkerLoad:
     shared_pending_prefill_tokens: int = 0  # the same, summed over the other workers on this worker's device
     reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
     sessions: int = 0  # x-session-id conversations this gateway placed there, seen within session_idle_s
+    gateways_waiting: int = 0  # requests queued in the other gateways' admission queues (their last word to it)
+    refused: bool = False  # it answered 429 (full) since its last stats poll: full until a poll says otherwise
 
     @classmethod
     def from_stats(cls, worker_id: str, stats: Mapping[str, Any], **extra: Any) -> WorkerLoad:
@@ -64,7 +66,8 @@ class WorkerLoad:
         """Requests at the worker: the others' as its stats counted them, plus this gateway's as of now (so a
         request of this gateway that ended since the stats stops counting at once)."""
         own = self.inflight if self.polled_inflight is None else self.polled_inflight
-        return max(0, self.running + self.waiting - own) + self.inflight
+        active = max(0, self.running + self.waiting - own) + self.inflight
+        return max(active, self.slots + 1) if self.refused else active
 
     @property
     def occupancy(self) -> float:
@@ -129,6 +132,7 @@ class QueueState:
 
     depth_by_priority: Mapping[int, int] = field(default_factory=dict)  # queued requests per priority
     drain_rate_per_s: float = 0.0  # requests leaving the queue per second, measured (DrainRate)
+    queued: int = 0  # everyone in the queue, those behind the asking request too (its demand: admission's share)
 
     @property
     def depth(self) -> int:

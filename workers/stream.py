@@ -17,6 +17,7 @@ import hmac
 import logging
 import secrets
 
+import cachetools
 from aiohttp import web
 
 from workers.protocol import Backend, BackendError, encode, request_decoder
@@ -24,6 +25,10 @@ from workers.protocol import telemetry as tm
 from workers.request_limits import RequestLimits
 
 log = logging.getLogger("pulse.worker.stream")
+# A gateway's word on its queue counts this long after its stats poll (every 0.5 s): a replica that stopped is
+# forgotten, and at most GATEWAYS_KEPT are remembered (only gateways, holding the secret, reach /stats)
+GATEWAY_REPORT_TTL_S = 3.0
+GATEWAYS_KEPT = 64
 
 
 class StreamServer:
@@ -40,6 +45,8 @@ class StreamServer:
         self.worker_id = worker_id
         self._runner: web.AppRunner | None = None
         self.draining = False
+        # each gateway's queue as its latest stats poll gave it: {gateway id: requests waiting there}
+        self._gateways: cachetools.TTLCache = cachetools.TTLCache(GATEWAYS_KEPT, GATEWAY_REPORT_TTL_S)
 
     async def start(self) -> str:
         app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._authorize])
@@ -65,9 +72,19 @@ class StreamServer:
             await self._runner.cleanup()
 
     async def stats(self, request: web.Request) -> web.Response:
+        """The backend's stats. A gateway polling with `?gateway=<its id>&waiting=<its queue>` also says how many
+        requests wait in its admission queue, and is told how many wait in the others' (`gateways_waiting`), so
+        that each replica takes its share of this worker's places (policy.admission.over_share)."""
+        gateway = request.query.get("gateway", "")[:64]
+        if gateway:
+            try:
+                self._gateways[gateway] = max(0, min(int(request.query.get("waiting", "0")), 1 << 20))
+            except ValueError:
+                return _error(400, "waiting must be an integer", "bad_request")
         stats = self.backend.stats()
         if self.draining:
             stats.healthy = False
+        stats.gateways_waiting = sum(n for g, n in self._gateways.items() if g != gateway)
         return web.Response(body=encode(stats), content_type="application/json")
 
     async def blocks(self, request: web.Request) -> web.Response:

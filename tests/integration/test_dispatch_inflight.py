@@ -5,13 +5,13 @@
   index, its blocks are listed at that worker, so a request sharing the prefix that arrives meanwhile sees
   where it is being computed (not only after the worker's next /blocks poll);
 - when the worker refuses before any output, the provisional entries past what the index already knew
-  are withdrawn and the pending prefill is given back.
+  are withdrawn and the pending prefill is given back; a worker that refused for want of a place (429) is
+  counted full until its next poll, and the request waits in the queue for a place.
 """
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
@@ -19,7 +19,6 @@ from cache.hashing import chain_hashes
 from cache.memory_index import MemoryPrefixIndex
 from gateway.admission_gate import AdmissionGate
 from gateway.dispatch import Dispatcher
-from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.router import PrefixRouter, load_of
@@ -89,20 +88,26 @@ async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_
         await _teardown(servers, pool)
 
 
-async def test_a_refusal_before_output_withdraws_the_provisional_blocks():
+async def test_a_refusal_before_output_withdraws_the_provisional_blocks_and_a_full_worker_is_waited_for():
     servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=4.0, slots=1), n=1)
     (w,) = pool.workers.values()
     try:
         await index.publish(w.worker_id, chain_hashes(PROMPT, 16)[:10])  # the worker really holds 10 blocks
         busy = await dispatcher.open(GenerateRequest(request_id="busy", prompt_ids=list(range(5, 40)), max_tokens=4))
-        # its one slot is taken: it refuses (429) before any output, and no other worker is left to try
-        with pytest.raises(APIError) as err:
-            await dispatcher.open(GenerateRequest(request_id="b", prompt_ids=PROMPT, max_tokens=4))
-        assert err.value.status in (429, 503)
-        await asyncio.sleep(0)  # the withdraw task
+        # its one slot is taken (the gateway's view, polled before, said free): it refuses (429) before any output
+        b = asyncio.create_task(dispatcher.open(GenerateRequest(request_id="b", prompt_ids=PROMPT, max_tokens=4)))
+        await asyncio.sleep(0.3)
         assert await index.longest_prefix(chain_hashes(PROMPT, 16)) == {w.worker_id: 10}
         assert w.pending_prefill == 0 and w.inflight == 1
+        # full, not gone: the request waits in the queue for its place (it was a 503 "no healthy worker")
+        assert not b.done() and w.refused and dispatcher.gate.depth == 1
         dispatcher.close(busy)
+        await asyncio.sleep(0.1)
+        assert not b.done()  # counted full until the next poll says otherwise
+        await pool.poll_once()
+        ticket = await asyncio.wait_for(b, 5)
+        assert ticket.worker is w and not w.refused
+        await _finish(dispatcher, ticket)
     finally:
         await _teardown(servers, pool)
 

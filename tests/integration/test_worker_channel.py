@@ -6,6 +6,8 @@ streams; out-of-bounds GenerateRequests get 400 from the worker even though no g
 """
 from __future__ import annotations
 
+import time
+
 import aiohttp
 import msgspec
 import pytest
@@ -15,7 +17,7 @@ from policy.config import PulseConfig
 from workers.loadtest import LoadTestBackend
 from workers.protocol import GenerateRequest, WorkerInfo, encode
 from workers.request_limits import RequestLimits
-from workers.stream import StreamServer
+from workers.stream import GATEWAY_REPORT_TTL_S, StreamServer
 
 LIMITS = RequestLimits(context_length=4096, vocab_size=1000, max_stop_strings=4, max_stop_length=32)
 
@@ -140,3 +142,37 @@ async def test_the_final_line_and_the_chunked_terminator_leave_in_one_write(work
     for _ in range(5):
         got = await asyncio.to_thread(read_to_final_line)
         assert got.endswith(b"\r\n0\r\n\r\n"), got[-120:]
+
+
+async def test_gateways_hear_each_others_queues_through_the_worker(worker):
+    """Two gateways' pools poll one worker, each saying how many requests wait in its admission queue; each
+    hears the other's (not its own) in `gateways_waiting`, which admission's share of the places reads. A
+    gateway that stops polling is forgotten; a bad count is a 400, not a crash."""
+    srv, url, http = worker
+    info = WorkerInfo("w0", url, "loadtest", secret=srv.secret)
+
+    async def discover(worker_id):
+        return [info]
+
+    a, b = WorkerPool(discover, poll_interval_s=30), WorkerPool(discover, poll_interval_s=30)
+    a.queue_depth, b.queue_depth = (lambda: 7), (lambda: 3)
+    await a.start()
+    await b.start()
+    try:
+        await a.poll_once()  # a's first poll came before b had said anything
+        assert a.workers["w0"].stats.gateways_waiting == 3 and b.workers["w0"].stats.gateways_waiting == 7
+        a.queue_depth = lambda: 0
+        await a.poll_once()
+        await b.poll_once()
+        assert b.workers["w0"].stats.gateways_waiting == 0
+        auth = {"Authorization": f"Bearer {srv.secret}"}
+        async with http.get(url + "/stats", headers=auth) as r:  # anyone else (the status page): everyone's
+            assert (await r.json())["gateways_waiting"] == 3
+        async with http.get(url + "/stats?gateway=x&waiting=many", headers=auth) as r:
+            assert r.status == 400
+        srv._gateways.expire(time.monotonic() + GATEWAY_REPORT_TTL_S)  # as if no gateway had polled since
+        async with http.get(url + "/stats", headers=auth) as r:
+            assert (await r.json()).get("gateways_waiting", 0) == 0
+    finally:
+        await a.close()
+        await b.close()

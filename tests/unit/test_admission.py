@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.admission import DrainRate, admit, expired, kv_tokens_needed, retry_after
+from policy.admission import DrainRate, admit, expired, kv_tokens_needed, over_share, retry_after
 from policy.config import AdmissionConfig
 from policy.types import AdmissionRequest, QueueState, WorkerLoad
 
@@ -60,6 +60,41 @@ def test_admission_table(name, target, req, queue, cfg, want):
         assert d.retry_after_s is not None and 1 <= d.retry_after_s <= cfg.max_retry_after_s
     if d.action == "queue":
         assert d.deadline_s == cfg.queue_deadline_s
+
+
+SHARE_CFG = AdmissionConfig(queue_max=1000, worker_queue_max=0)
+
+
+def share_of(demand: int, others_active: int, others_waiting: int, slots: int) -> int:
+    """The places a gateway with `demand` requests (in flight there, or queued here: the one asking among them)
+    takes before over_share says stop."""
+    n = 0
+    while n < demand and not over_share(
+            W(total=0, running=others_active + n, slots=slots, inflight=n, polled_inflight=n,
+              gateways_waiting=others_waiting), QueueState({}, 0.0, queued=demand - n), SHARE_CFG):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("demand, others_active, others_waiting, slots, want", [
+    (8, 0, 4, 2, 1),  # 8 wanted here, 4 elsewhere, 2 places: 1.33 -> 1 (rounded up, both replicas kept 2)
+    (4, 1, 7, 2, 1),  # the other side of it: 0.67 -> 1
+    (250, 192, 558, 256, 64),  # 1,000 clients over 4 replicas, evenly: a quarter of 256
+    (350, 192, 458, 256, 90),  # 350 of the 1,000 here: 89.6 places
+    (1, 100, 5, 256, 1),  # one request here, few elsewhere: it goes
+])
+def test_over_share_splits_the_places_by_demand(demand, others_active, others_waiting, slots, want):
+    assert share_of(demand, others_active, others_waiting, slots) == want
+
+
+def test_without_others_waiting_nothing_changes():
+    """One replica (or others with empty queues): the worker's free places decide, as before."""
+    cfg = AdmissionConfig(queue_max=10, worker_queue_max=0)
+    assert not over_share(W(running=3, slots=4, inflight=3, polled_inflight=3), QueueState({}, 0.0, queued=50), cfg)
+    d = admit(W(total=0, running=3, slots=4, inflight=3, polled_inflight=3), A(), Q(), cfg)
+    assert d.action == "admit"
+    d = admit(W(total=0, running=3, slots=4, inflight=3, polled_inflight=3, gateways_waiting=20), A(), Q(), cfg)
+    assert d.action == "queue"  # 4 places, 4 wanted here, 20 elsewhere: this gateway's share is 1 and it holds 3
 
 
 def test_overflow_messages_say_by_how_much():

@@ -105,6 +105,9 @@ class BackendStats(msgspec.Struct):
     running: int = 0  # sequences generating now
     waiting: int = 0  # sequences queued inside the backend
     slots: int = 1  # sequences it can run at once
+    # requests waiting in the admission queues of the gateways other than the one asking, as each told this worker
+    # in its latest stats poll (workers/stream.py): with several gateway replicas, each takes its share of the places
+    gateways_waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     block_size: int = 16
