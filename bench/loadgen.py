@@ -9,7 +9,9 @@ Per request it times:
 - inter-token latency: gaps between successive content events;
 - total duration.
 A run is bounded by a request count and by time. Only loopback targets unless allow_remote: a benchmark
-must not be pointed at someone else's server by accident.
+must not be pointed at someone else's server by accident. `procs` > 1 spreads the clients over that many
+processes, started together and measured over one wall time: one event loop parsing SSE tops out near a core at
+~1,000 streams, and past that the figures measure the client.
 
     python -m bench.loadgen --url http://127.0.0.1:8000 --clients 32 --duration 5
 """
@@ -19,12 +21,13 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import multiprocessing
 import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -34,6 +37,9 @@ import numpy as np
 from bench import loops
 
 PERCENTILES = (50, 90, 99)
+# how long the processes of a run spread over several wait for one another: at the start (a spawned Python imports
+# aiohttp, msgspec and NumPy: seconds on a busy box), and past the longest a run can last at the end
+PROC_SLACK_S = 60.0
 
 
 @dataclass
@@ -57,6 +63,9 @@ class LoadSpec:
     # closed loop: client i sends its first request i * stagger_s / clients seconds after the start, so the clients'
     # requests end and arrive spread over time as independent agents' do, not in lockstep (0: all at once)
     stagger_s: float = 0.0
+    # spread the clients (and the requests) over this many processes, capped at clients: one process's event loop
+    # tops out near one core at ~1,000 streams, and then limits the figures; 1: all in this process
+    procs: int = 1
 
 
 @dataclass
@@ -67,6 +76,34 @@ class RequestResult:
     total: float = 0.0
     tokens: int = 0
     error: str | None = None  # exception name, "stream_error" or "no_content"
+
+
+@dataclass(frozen=True)
+class _Share:
+    """One process's part of a run of `clients` clients: clients first .. first + count - 1, and the run's requests
+    whose index i has i % clients among them, so that no two processes send the same index i (prompts[i % len]) and
+    a request budget splits as the clients do."""
+    first: int
+    count: int
+    clients: int
+
+    def index(self, j: int) -> int:
+        """The run's index of this process's j-th request (j itself for the whole run)."""
+        return j // self.count * self.clients + self.first + j % self.count
+
+    def requests(self, total: int | None) -> int | None:
+        """This process's part of a run of `total` requests: the indices below total that it owns."""
+        if total is None:
+            return None
+        rounds, rest = divmod(total, self.clients)
+        return rounds * self.count + min(max(rest - self.first, 0), self.count)
+
+
+def _shares(clients: int, procs: int) -> list[_Share]:
+    """`clients` split over `procs` processes as evenly as possible, in order."""
+    size, extra = divmod(clients, procs)
+    counts = [size + (p < extra) for p in range(procs)]
+    return [_Share(sum(counts[:p]), count, clients) for p, count in enumerate(counts)]
 
 
 def check_target(url: str, allow_remote: bool = False) -> None:
@@ -185,8 +222,24 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stre
 
 
 async def run_load(spec: LoadSpec) -> dict:
-    """Run one bounded load; returns the aggregate (see `aggregate`)."""
+    """Run one bounded load; returns the aggregate (see `aggregate`). With spec.procs > 1 the load is sent from
+    that many processes (`_run_procs`), this one only waits for them."""
     check_target(spec.url, spec.allow_remote)
+    if min(spec.procs, spec.clients) > 1:
+        results, wall, cpu = await asyncio.to_thread(_run_procs, spec, loops.loop_name(asyncio.get_running_loop()))
+    else:
+        results, wall, cpu = await _load(spec)
+    out = aggregate(results, wall)
+    # the load generator's own CPU over the run, in cores, summed over its processes: near 1 per process their event
+    # loops are the bottleneck, and the figures measure the client as much as the server
+    out["metrics"]["client_cpu"] = cpu / wall if wall > 0 else None
+    return out
+
+
+async def _load(spec: LoadSpec, share: _Share | None = None, ready: Callable[[], None] | None = None,
+                done: Callable[[], None] | None = None) -> tuple[list[RequestResult], float, float]:
+    """(results, wall s, CPU s) of `share`'s requests (None: the whole run) sent from this process. `ready` is
+    called once the session is open and returns at the start (every process's), `done` just after the end."""
     path, body = request_body(spec)
     url = spec.url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
@@ -194,17 +247,88 @@ async def run_load(spec: LoadSpec) -> dict:
     connector = aiohttp.TCPConnector(limit=spec.clients, force_close=spec.force_close)
     results: list[RequestResult] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+        if ready:
+            ready()  # blocks this event loop on purpose: nothing else runs in it yet
         start, cpu = time.perf_counter(), time.process_time()
         if spec.rate:
-            await _open_loop(spec, session, url, body, start, results)
+            await _open_loop(spec, session, url, body, start, results, share)
         else:
-            await _closed_loop(spec, session, url, body, start, results)
+            await _closed_loop(spec, session, url, body, start, results, share)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    out = aggregate(results, wall)
-    # the load generator's own CPU over the run, in cores: near 1 its one event loop is the bottleneck, and the
-    # figures measure the client as much as the server
-    out["metrics"]["client_cpu"] = cpu / wall if wall > 0 else None
-    return out
+        if done:
+            done()
+    return results, wall, cpu
+
+
+def _longest_run(spec: LoadSpec) -> float:
+    """Seconds a run can last at most, with slack: issuing stops at `duration` (or once the last staggered client
+    wakes), and the last request ends within `timeout`."""
+    return spec.duration + spec.stagger_s + spec.timeout + PROC_SLACK_S
+
+
+def _run_procs(spec: LoadSpec, loop: str) -> tuple[list[RequestResult], float, float]:
+    """(results, wall s, CPU s summed) of the run spread over min(procs, clients) processes, each with its share
+    of the clients and of the requests, on a `loop` event loop. Spawned, not forked: no copy of the caller's event
+    loop and threads. They start together once each has its session open, so start-up is not in the wall time,
+    which runs from that start to the end of the last one's last request."""
+    request_body(spec)  # a bad spec fails here, as a ValueError, rather than in every process
+    shares = _shares(spec.clients, min(spec.procs, spec.clients))
+    ctx = multiprocessing.get_context("spawn")
+    go = ctx.Event()
+    pipes = [ctx.Pipe(duplex=False) for _ in shares]
+    procs = [ctx.Process(target=_proc_main, daemon=True,
+                         args=(replace(spec, requests=share.requests(spec.requests)), share, go, send, loop))
+             for share, (_, send) in zip(shares, pipes)]
+    for proc in procs:
+        proc.start()
+    try:
+        for _, send in pipes:
+            send.close()  # the processes hold theirs: one that dies then reads as EOF at once
+        for recv, _ in pipes:
+            _receive(recv, PROC_SLACK_S)  # "ready"
+        go.set()
+        start = time.perf_counter()
+        for recv, _ in pipes:
+            _receive(recv, _longest_run(spec))  # "done"
+        wall = time.perf_counter() - start
+        answers = [_receive(recv, PROC_SLACK_S) for recv, _ in pipes]
+    except BaseException:
+        for proc in procs:
+            proc.terminate()  # one failed: the others' load is void
+        raise
+    finally:
+        for proc in procs:
+            proc.join(PROC_SLACK_S)
+    return [r for results, _ in answers for r in results], wall, sum(cpu for _, cpu in answers)
+
+
+def _receive(recv, timeout: float):
+    """A load process's next message; raises where it failed (its exception), exited or said nothing in time."""
+    if not recv.poll(timeout):
+        raise RuntimeError(f"a load process said nothing in {timeout:.0f} s")
+    try:
+        got = recv.recv()
+    except EOFError:
+        raise RuntimeError("a load process exited without an answer") from None
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def _proc_main(spec: LoadSpec, share: _Share, go, send, loop: str) -> None:
+    """One load process: says "ready" once its session is open and starts at `go`, says "done" once its last
+    request has ended, then sends its share's (results, CPU s); or the exception it failed with."""
+    def ready() -> None:
+        send.send("ready")
+        if not go.wait(PROC_SLACK_S):
+            raise TimeoutError(f"no start in {PROC_SLACK_S:.0f} s")
+
+    try:
+        results, _, cpu = loops.run(_load(spec, share, ready, lambda: send.send("done")), loop)
+    except BaseException as exc:
+        send.send(RuntimeError(f"a load process failed: {type(exc).__name__}: {exc}"))
+        raise
+    send.send((results, cpu))
 
 
 def _budget(spec: LoadSpec, start: float, issued: int) -> bool:
@@ -212,7 +336,10 @@ def _budget(spec: LoadSpec, start: float, issued: int) -> bool:
     return within_count and time.perf_counter() - start < spec.duration
 
 
-async def _closed_loop(spec, session, url, body, start, results) -> None:
+async def _closed_loop(spec, session, url, body, start, results, share: _Share | None = None) -> None:
+    """`share`'s clients (None: all), each by its index in the whole run for the stagger; `spec.requests` is the
+    share's budget."""
+    share = share or _Share(0, spec.clients, spec.clients)
     issued = 0
 
     async def client(i: int) -> None:
@@ -221,13 +348,17 @@ async def _closed_loop(spec, session, url, body, start, results) -> None:
             await asyncio.sleep(i * spec.stagger_s / spec.clients)
         while _budget(spec, start, issued):
             issued += 1
-            results.append(await one_request(session, url, nth_body(spec, body, issued - 1), spec.stream))
+            results.append(await one_request(session, url, nth_body(spec, body, share.index(issued - 1)),
+                                             spec.stream))
 
-    await asyncio.gather(*(client(i) for i in range(spec.clients)))
+    await asyncio.gather(*(client(i) for i in range(share.first, share.first + share.count)))
 
 
-async def _open_loop(spec, session, url, body, start, results) -> None:
-    gate = asyncio.Semaphore(spec.clients)
+async def _open_loop(spec, session, url, body, start, results, share: _Share | None = None) -> None:
+    """`share`'s requests (None: all), each sent when the whole run's rate would send it; `spec.requests` is the
+    share's budget."""
+    share = share or _Share(0, spec.clients, spec.clients)
+    gate = asyncio.Semaphore(share.count)
     tasks = []
 
     async def fire(i: int) -> None:
@@ -236,11 +367,12 @@ async def _open_loop(spec, session, url, body, start, results) -> None:
 
     issued = 0
     while _budget(spec, start, issued):
+        i = share.index(issued)
         # schedule by the clock, not by sleeps added up, so the rate does not drift
-        delay = start + issued / spec.rate - time.perf_counter()
+        delay = start + i / spec.rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(fire(issued)))
+        tasks.append(asyncio.create_task(fire(i)))
         issued += 1
     await asyncio.gather(*tasks)
 
@@ -297,6 +429,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[str, LoadSpec]:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--allow-remote", action="store_true")
+    ap.add_argument("--procs", type=int, default=1, help=(
+        "processes to spread the clients over (one tops out near a core at ~1,000 streams)"))
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="event loop (auto: uvloop if installed)")
     args = vars(ap.parse_args(argv))
     return args.pop("loop"), LoadSpec(**args)

@@ -103,7 +103,7 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         api, texts = prompts(workload, offset + n)
         spec = LoadSpec(url=base, api=api, model=model, prompts=texts[offset:], max_tokens=args.tokens,
                         clients=clients, requests=n, duration=args.duration, timeout=args.timeout,
-                        stagger_s=args.stagger,
+                        stagger_s=args.stagger, procs=args.client_procs,
                         body_extra=body_extra(target, workload, sampling),
                         # llama-server direct: a connection per request, as bench/llama_server_parity.py and
                         # Pulse's own backend do (cpp-httplib dropped kept-alive ones: with 2 requests per client
@@ -272,6 +272,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "end and arrive spread over the run as independent agents' do; 0: all at once (their requests then end and "
         "re-arrive together, so few steps carry a prompt). tok/s still counts the whole run, the ramp included"))
     ap.add_argument("--duration", type=float, default=60.0, help="cap on seconds of load per run")
+    ap.add_argument("--client-procs", type=int, default=1, help=(
+        "load-generator processes the clients are spread over: one process parsing the streams in one event loop "
+        "tops out near one core at ~1,000 streams, and then limits the figures (see client_cpu)"))
     ap.add_argument("--timeout", type=float, default=120.0, help="per request")
     ap.add_argument("--device", default="auto", help="the Pulse engine's device")
     ap.add_argument("--profile-batch", action="store_true", help=(
