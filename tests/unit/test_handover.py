@@ -20,8 +20,19 @@ MS = 1e-3
     (13.3, 256, True),  # ...handed over after the seventh
     (0.0, 0, True),  # a step with no outputs (prefill only) hands over what is held
 ])
-def test_handover_due(held_ms, streams, due):
-    assert HANDOVER_S_PER_STREAM == 50e-6  # the table is worked out for this value
+def test_handover_due_at_50us_a_stream(held_ms, streams, due):
+    assert handover_due(held_ms * MS, streams, 50e-6) is due
+
+
+@pytest.mark.parametrize("held_ms,streams,due", [
+    (1.6, 8, True),  # 8 x 200 us: every step of 1.6 ms
+    (1.9, 16, False),  # 16 streams at 1.9 ms steps: held one step...
+    (3.8, 16, True),  # ...handed over after the second
+    (49.4, 256, False),  # 256 streams at 1.9 ms: held 26 steps...
+    (51.3, 256, True),  # ...handed over after the 27th (51.2 ms)
+])
+def test_handover_due_by_default(held_ms, streams, due):
+    assert HANDOVER_S_PER_STREAM == 200e-6  # the table is worked out for this value
     assert handover_due(held_ms * MS, streams) is due
 
 
@@ -31,7 +42,7 @@ def _step(ids, token):
 
 def test_a_first_token_goes_at_once_alone_and_the_held_outputs_stay_held_in_order():
     handed: list[list[StepOutput]] = []
-    loop = EngineLoop(engine=None, emit=handed.append, emit_one=lambda rid, item: None)
+    loop = EngineLoop(engine=None, emit=handed.append, emit_one=lambda rid, item: None, hold_s_per_stream=50e-6)
     running = [f"r{i}" for i in range(64)]
     loop._handed_at = time.monotonic()  # just handed over: 64 streams hold their outputs 3.2 ms
     loop._keep(_step(running, 1))
@@ -41,7 +52,7 @@ def test_a_first_token_goes_at_once_alone_and_the_held_outputs_stay_held_in_orde
     assert [[o.request_id for o in h] for h in handed] == [["new"]]  # alone, at once
     loop._keep(_step(running + ["new"], 3))  # its second token is held like the others'
     assert len(handed) == 1
-    time.sleep(65 * HANDOVER_S_PER_STREAM)
+    time.sleep(65 * 50e-6)
     loop._keep(_step(running + ["new"], 4))  # due: everything held goes, each request's tokens in order
     assert len(handed) == 2
     tokens: dict[str, list[int]] = {}

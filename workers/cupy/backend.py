@@ -174,7 +174,8 @@ class EngineBackend(Backend):
             self._engine, self._tokenizer = await asyncio.to_thread(self._build)
             self.device = getattr(self._engine, "device_name", self.device)
             self._core = EngineLoop(self._engine, emit=self._emit, emit_one=self._emit_one,
-                                    on_health=self._set_health)
+                                    on_health=self._set_health,
+                                    hold_s_per_stream=self._engine_cfg.handover_us_per_stream * 1e-6)
             self._inbox = self._core.inbox
             self._thread = threading.Thread(target=self._core.run, name=f"engine-{self.worker_id}", daemon=True)
             self._thread.start()
@@ -188,7 +189,8 @@ class EngineBackend(Backend):
     async def _start_process(self) -> None:
         from workers.cupy.engine_process import EngineProcess
 
-        spec = {"builder": self.engine_builder, "args": self.engine_builder_args()}
+        spec = {"builder": self.engine_builder, "args": self.engine_builder_args(),
+                "hold_s_per_stream": self._engine_cfg.handover_us_per_stream * 1e-6}
         proc = EngineProcess(spec, on_message=self._on_engine_message, on_lost=self._on_engine_lost)
         self.device = await asyncio.to_thread(proc.start)
         self._proc = proc

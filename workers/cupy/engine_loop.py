@@ -22,18 +22,21 @@ log = logging.getLogger(__name__)
 
 STOP = object()
 # How long the step thread may hold step outputs before handing them to the event loop, per stream that has
-# output in the step: up to 32 streams hand over every step of 1.6 ms or more, 64 streams every second 1.9 ms
-# step (3.2 ms), 256 every seventh (12.8 ms). A stream's wake-up, chunk and write cost the event loop ~15 us
-# of GIL time on a 2-core Xeon (bench/worker_path.py), so hand-overs take at most about a third of the GIL
-# whatever the batch.
-HANDOVER_S_PER_STREAM = 50e-6
+# output in the step (the default of `workers.engine.handover_us_per_stream`): up to 8 streams hand over every
+# step of 1.6 ms or more, 64 streams every 12.8 ms, 256 every 51 ms. A stream's wake-up, chunk and write cost the
+# event loop ~15-20 us whatever the tokens in it (bench/worker_path.py, 2-core Xeon), so a hand-over's cost per
+# token falls as the hold grows. At 50 us (a third of the GIL, when the step thread shared it) the worker's event
+# loop was the served ceiling past saturation: one core at ~70k tokens/s on the H200 (BENCHMARKS.md, issue 25); on
+# the CPU box's worker path, 512 clients on a 256 batch, 200 us cut its CPU per token from 21-23 to 16 us and
+# raised delivered tokens 5-7% (47k -> 50k), closed loop, finished requests' last tokens held like the rest.
+HANDOVER_S_PER_STREAM = 200e-6
 
 
-def handover_due(held_s: float, streams: int) -> bool:
+def handover_due(held_s: float, streams: int, per_stream_s: float = HANDOVER_S_PER_STREAM) -> bool:
     """Whether the step thread hands its held outputs over now: once they have been held (`held_s`: since the
-    last hand-over) HANDOVER_S_PER_STREAM per stream in the step (a step with no outputs: at once). A request's
+    last hand-over) `per_stream_s` per stream in the step (a step with no outputs: at once). A request's
     first token does not wait for this: it goes at once, on its own (EngineLoop._keep)."""
-    return held_s >= HANDOVER_S_PER_STREAM * streams
+    return held_s >= per_stream_s * streams
 
 
 class EngineLoop:
@@ -43,8 +46,10 @@ class EngineLoop:
     (STOP, None)."""
 
     def __init__(self, engine, emit: Callable[[list], None], emit_one: Callable[[str, object], None],
-                 on_health: Callable[[bool], None] = lambda healthy: None):
+                 on_health: Callable[[bool], None] = lambda healthy: None,
+                 hold_s_per_stream: float = HANDOVER_S_PER_STREAM):
         self.engine, self.emit, self.emit_one, self.on_health = engine, emit, emit_one, on_health
+        self.hold_s_per_stream = hold_s_per_stream
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list = []  # step outputs not handed over yet
         self._fresh: set[str] = set()  # requests added with no output handed over yet
@@ -86,7 +91,7 @@ class EngineLoop:
                 if out.request_id in self._fresh:
                     self._fresh.discard(out.request_id)
                     first.append(out)
-        if handover_due(time.monotonic() - self._handed_at, len(outputs)):
+        if handover_due(time.monotonic() - self._handed_at, len(outputs), self.hold_s_per_stream):
             self._outbox += outputs
             self._hand_over()
             return
