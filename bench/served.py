@@ -203,7 +203,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
             ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
             ("eager", args.engine_process, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"]),
-            ("h50", args.engine_process, {"handover_us_per_stream": 50.0}, [t for t in args.targets if t == "pulse-h50"])):
+            ("h50", args.engine_process, {"handover_us_per_stream": 50.0},
+             [t for t in args.targets if t == "pulse-h50"])):
         if not targets:
             continue
         port = free_port()
@@ -264,8 +265,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-h50",
-                             "llama"])
+                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
+                             "pulse-h50", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
