@@ -12,9 +12,9 @@ depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_token
 `pulse`, the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like
 `pulse` with `workers.engine.overlap: off`: each engine step read before the next is launched), `pulse-eager`
 (a second `pulse serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk
-launched eagerly instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-h50` (a second
-`pulse serve` like `pulse` whose engine hands step outputs to the worker's streams after 50 us a stream,
-`workers.engine.handover_us_per_stream`, the default before 200), `llama`
+launched eagerly instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-hold` (a second
+`pulse serve` like `pulse` whose engine holds step outputs 200 us a stream before handing them to the worker's
+streams, `workers.engine.handover_us_per_stream`; the default is 50), `llama`
 (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
@@ -194,7 +194,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
     # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off, pulse-eager
-    # its own with mixed steps launched eagerly, pulse-h50 its own with the engine's old 50 us hand-over hold
+    # its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold
     for name, process, engine, targets in (
             (args.engine_process, args.engine_process,
              {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
@@ -203,8 +203,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
             ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
             ("eager", args.engine_process, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"]),
-            ("h50", args.engine_process, {"handover_us_per_stream": 50.0},
-             [t for t in args.targets if t == "pulse-h50"])):
+            ("hold", args.engine_process, {"handover_us_per_stream": 200.0},
+             [t for t in args.targets if t == "pulse-hold"])):
         if not targets:
             continue
         port = free_port()
@@ -266,7 +266,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
                     choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                             "pulse-h50", "llama"])
+                             "pulse-hold", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-h50", "llama",
+            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold", "llama",
                           "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)

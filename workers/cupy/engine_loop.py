@@ -22,14 +22,15 @@ log = logging.getLogger(__name__)
 
 STOP = object()
 # How long the step thread may hold step outputs before handing them to the event loop, per stream that has
-# output in the step (the default of `workers.engine.handover_us_per_stream`): up to 8 streams hand over every
-# step of 1.6 ms or more, 64 streams every 12.8 ms, 256 every 51 ms. A stream's wake-up, chunk and write cost the
-# event loop ~15-20 us whatever the tokens in it (bench/worker_path.py, 2-core Xeon), so a hand-over's cost per
-# token falls as the hold grows. At 50 us (a third of the GIL, when the step thread shared it) the worker's event
-# loop was the served ceiling past saturation: one core at ~70k tokens/s on the H200 (BENCHMARKS.md, issue 25); on
-# the CPU box's worker path, 512 clients on a 256 batch, 200 us cut its CPU per token from 21-23 to 16 us and
-# raised delivered tokens 5-7% (47k -> 50k), closed loop, finished requests' last tokens held like the rest.
-HANDOVER_S_PER_STREAM = 200e-6
+# output in the step (the default of `workers.engine.handover_us_per_stream`): up to 32 streams hand over every
+# step of 1.6 ms or more, 64 streams every second 1.9 ms step (3.2 ms), 256 every seventh (12.8 ms). A stream's
+# wake-up, chunk and write cost the event loop ~15 us of GIL time on a 2-core Xeon (bench/worker_path.py), so
+# hand-overs take at most about a third of the GIL whatever the batch. Holding longer puts more tokens in each
+# wake-up (200 us: the CPU box's worker path at 512 clients, worker CPU per token 21-23 -> 16 us, delivered +5-7%),
+# but it holds a finished request's last tokens as long, and its place waits for the gateway to hear of the end:
+# served on the H200 at temperature 1, 200 us gave 0.81x of 50 us at 64 clients and 0.91x at 256, 1.01-1.02x at
+# 512-1,000, and 429s at 1,000 (BENCHMARKS.md, issue 25, 2026-12-03).
+HANDOVER_S_PER_STREAM = 50e-6
 
 
 def handover_due(held_s: float, streams: int, per_stream_s: float = HANDOVER_S_PER_STREAM) -> bool:
