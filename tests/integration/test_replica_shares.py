@@ -92,7 +92,8 @@ async def test_a_flood_on_one_replica_does_not_keep_the_other_replicas_requests_
         for s in flood_sessions + late_sessions:
             await s.close()
     # 8 late requests on about one place: ~1.3 s of work, plus a stats poll or two (0.5 s) for each replica to
-    # hear the other's queue; the flood alone would have kept them waiting for all of BOUND_S
+    # hear the other's queue (2.7 s in all, the longest request 2.1 s, with the CI suite beside it on 2 cores); the
+    # flood alone would have kept them waiting for all of BOUND_S (they got 429s after three refusals)
     assert served["late"] == LATE * LATE_EACH
     assert took < 6.0, (took, waits)
     assert max(w for ws in waits for w in ws) < 4.0, waits
