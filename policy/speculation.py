@@ -71,7 +71,6 @@ class Acceptance:
         """`prior`: where the estimate starts (AcceptancePrior: what the worker's recent sequences of the same
         kind ended with); None: PRIOR at every position."""
         self.rates = list(prior[:width]) if prior is not None else [PRIOR] * width
-        self.rates += [PRIOR] * (width - len(self.rates))
         self.idle = 0  # steps since this sequence last drafted because its estimate said no
         self.verified = 0  # drafts verified so far: 0, the estimate is still its prior
 

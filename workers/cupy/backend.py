@@ -160,6 +160,11 @@ class EngineBackend(Backend):
     def in_engine_process(self) -> bool:
         return self._proc is not None
 
+    @property
+    def hold_s_per_stream(self) -> float:
+        """How long the step thread holds step outputs per stream before a hand-over (EngineLoop)."""
+        return self._engine_cfg.handover_us_per_stream * 1e-6
+
     def engine_builder_args(self) -> tuple:
         return (self._config, self._profile, self._info)
 
@@ -174,8 +179,7 @@ class EngineBackend(Backend):
             self._engine, self._tokenizer = await asyncio.to_thread(self._build)
             self.device = getattr(self._engine, "device_name", self.device)
             self._core = EngineLoop(self._engine, emit=self._emit, emit_one=self._emit_one,
-                                    on_health=self._set_health,
-                                    hold_s_per_stream=self._engine_cfg.handover_us_per_stream * 1e-6)
+                                    on_health=self._set_health, hold_s_per_stream=self.hold_s_per_stream)
             self._inbox = self._core.inbox
             self._thread = threading.Thread(target=self._core.run, name=f"engine-{self.worker_id}", daemon=True)
             self._thread.start()
@@ -190,7 +194,7 @@ class EngineBackend(Backend):
         from workers.cupy.engine_process import EngineProcess
 
         spec = {"builder": self.engine_builder, "args": self.engine_builder_args(),
-                "hold_s_per_stream": self._engine_cfg.handover_us_per_stream * 1e-6}
+                "hold_s_per_stream": self.hold_s_per_stream}
         proc = EngineProcess(spec, on_message=self._on_engine_message, on_lost=self._on_engine_lost)
         self.device = await asyncio.to_thread(proc.start)
         self._proc = proc

@@ -156,7 +156,7 @@ def main(fd: int) -> None:
     core = EngineLoop(engine, emit=lambda outputs: send(("out", encode(outputs))),
                       emit_one=lambda rid, item: send(("one", rid, _picklable(item))),
                       on_health=lambda ok: send(("health", ok)),
-                      **({"hold_s_per_stream": spec["hold_s_per_stream"]} if "hold_s_per_stream" in spec else {}))
+                      hold_s_per_stream=spec["hold_s_per_stream"])
     stepper = threading.Thread(target=core.run, name="engine", daemon=True)
     stepper.start()
     stopped = threading.Event()
