@@ -5,7 +5,8 @@ streaming, at the settings users send.
         --workloads story code json --sampling greedy t1 --repeats 3 --warmup 1
 
 Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile's speculation, each sequence's
-depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation),
+depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation), `pulse-k8` (the same server, each request
+`max_draft_tokens: 8`: the h200 profile's cap before it drafted up to 16 at 1-4 streams),
 `pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
 `workers.engine.process: off`, the placement before the engine process), `pulse-w0` (a second `pulse serve` like
 `pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for
@@ -27,7 +28,9 @@ few steps carry a prompt; the engine alone then runs with staggered arrivals too
 minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
 call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
 p99, and for Pulse's GPU engine `eager_share`: the run's engine forwards that ran eagerly (a step no CUDA graph
-fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs off) over all its forwards, from the workers' `forwards_by_path`. Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
+fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs off) over all its forwards, from the workers' `forwards_by_path`,
+`batch_mean` (decoding sequences per forward: whether the batch stays full past saturation) and `steps_per_s`
+(forwards over the run's wall time: whether the steps slowed). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
 table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
 batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling
@@ -52,7 +55,9 @@ from bench.speculation import EDITS, SOURCES, edit_prompt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
-TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "eager_share", "client_cpu"]
+TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "eager_share", "batch_mean", "steps_per_s",
+                 "client_cpu"]
+SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps beside the forwards by path
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
@@ -82,8 +87,8 @@ def prompts(workload: str, n: int) -> tuple[str, list[str]]:
 
 def body_extra(target: str, workload: str, sampling: str) -> dict:
     extra = dict(SAMPLING[sampling], ignore_eos=True)
-    if target == "pulse-k0":
-        extra["max_draft_tokens"] = 0
+    if target in ("pulse-k0", "pulse-k8"):
+        extra["max_draft_tokens"] = int(target[len("pulse-k"):])
     if workload == "json":
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}}
     return extra
@@ -118,8 +123,12 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             await asyncio.sleep(2 * STATS_POLL_S)  # the gateway's view of the workers lags one stats poll
             after = await asyncio.to_thread(forwards, base)
             delta = {k: after.get(k, 0) - v for k, v in before.items()}
+            seq_steps = delta.pop(SEQ_STEPS, 0)
             total = sum(delta.values())
             m["forwards"], m["eager_share"] = total, (delta.get("eager", 0) / total if total > 0 else None)
+            # past saturation: is the engine's batch kept full (decoding sequences a step) and how fast does it step
+            m["batch_mean"] = seq_steps / total if total > 0 and seq_steps else None
+            m["steps_per_s"] = total / m["wall_s"] if m.get("wall_s") else None
         with partial.open("a") as f:
             f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
         print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}, "
@@ -131,7 +140,8 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
 
 def forwards(base: str) -> dict[str, int]:
     """The GPU engines' forwards by path (graph / verify / mixed / eager), summed over the workers as the gateway last
-    polled them (GET /pulse/workers, open on loopback); {} where there are none (llama-server, a CPU engine)."""
+    polled them (GET /pulse/workers, open on loopback), and under SEQ_STEPS the decoding sequence-steps they ran (the
+    speculator's steps_by_k, counted at every K including 0); {} where there are none (llama-server, a CPU engine)."""
     import urllib.request
 
     try:
@@ -141,8 +151,11 @@ def forwards(base: str) -> dict[str, int]:
         return {}
     total: dict[str, int] = {}
     for w in workers:
-        for path, n in (w.get("stats", {}).get("forwards_by_path") or {}).items():
+        stats = w.get("stats", {})
+        for path, n in (stats.get("forwards_by_path") or {}).items():
             total[path] = total.get(path, 0) + n
+        if stats.get("forwards_by_path"):
+            total[SEQ_STEPS] = total.get(SEQ_STEPS, 0) + sum(stats.get("steps_by_k") or ())
     return total
 
 
@@ -192,13 +205,13 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     """{target: (base URL, model id)}; servers started and healthy."""
     bases = {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    # pulse and pulse-k0 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
+    # pulse, pulse-k0 and pulse-k8 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
     # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off, pulse-eager
     # its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold
     for name, process, engine, targets in (
             (args.engine_process, args.engine_process,
              {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
-             [t for t in args.targets if t in ("pulse", "pulse-k0")]),
+             [t for t in args.targets if t in ("pulse", "pulse-k0", "pulse-k8")]),
             ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
             ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
             ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
@@ -265,7 +278,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
+                    choices=["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
                              "pulse-hold", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold", "llama",
+            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold", "llama",
                           "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)

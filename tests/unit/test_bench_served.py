@@ -16,6 +16,7 @@ def test_prompts_are_distinct_from_their_first_words(workload, api):
 def test_bodies_follow_the_target_workload_and_sampling():
     assert body_extra("pulse", "story", "t1") == {"temperature": 1.0, "ignore_eos": True}  # no top_k / top_p
     assert body_extra("pulse-k0", "story", "greedy")["max_draft_tokens"] == 0
+    assert body_extra("pulse-k8", "code", "greedy")["max_draft_tokens"] == 8
     assert "max_draft_tokens" not in body_extra("llama", "code", "greedy")
     assert body_extra("llama", "json", "t1")["response_format"]["type"] == "json_schema"
 
@@ -60,3 +61,38 @@ def test_engine_alone_staggered_arrivals_start_each_client_later():
         assert generated == 2 * 2 * 4
         steps[staggered] = engine.scheduler.steps - before
     assert steps[True] == steps[False] + 4 // 2, steps  # client 1 joins at step 2: the run ends 2 steps later
+
+
+def test_forwards_sums_paths_and_decoding_sequence_steps_over_gpu_workers():
+    import http.server
+    import json
+    import threading
+
+    from bench.served import SEQ_STEPS, forwards
+
+    workers = {"workers": [
+        {"stats": {"forwards_by_path": {"graph": 10, "eager": 2}, "steps_by_k": [30, 4, 2]}},
+        {"stats": {"forwards_by_path": {"graph": 5}, "steps_by_k": [7]}},
+        {"stats": {"tokens_per_s": 1.0}},  # llama-server: no forwards, its steps are not counted
+    ]}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(workers).encode() if self.path == "/pulse/workers" else b"{}"
+            self.send_response(200 if self.path == "/pulse/workers" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        got = forwards(f"http://127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert got == {"graph": 15, "eager": 2, SEQ_STEPS: 43}
