@@ -5,6 +5,8 @@
 # binary) at $PULSE_DEVICE_HOME/py-spy. One call:
 #
 #   CLIENTS="64 256" bash bench/gpu_profile_served.sh     # -> $OUT/profile-c<C>/spy-<pid>.txt (collapsed stacks)
+#   CLIENTS=1000 SAMPLING=t1 SERVED_EXTRA="--profile-batch --client-procs 4" bash bench/gpu_profile_served.sh
+#                                                         # past saturation: the profile's batch, the rest queued
 #
 # py-spy starts once the warm-up run has landed in records.jsonl, so it samples the first measured run
 # (--nonblocking: it never pauses the process it reads; --threads: the engine thread and the event loop's apart).
@@ -37,7 +39,7 @@ for clients in ${CLIENTS:-256}; do
     for pid in $pids; do echo "end $(ticks "$pid") $(date +%s.%N) hz $(getconf CLK_TCK)" >> "$out/cpu-$pid.txt"; done
   ) &
   timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.served --model "$model" --device cuda --profile h200 \
-    --targets pulse --workloads story --sampling greedy --clients "$clients" --tokens 128 \
+    --targets pulse --workloads story --sampling "${SAMPLING:-greedy}" --clients "$clients" --tokens 128 ${SERVED_EXTRA:-} \
     --per-client "${PER_CLIENT:-8}" --repeats 1 --warmup 1 --duration 60 --timeout 120 --out "$out" --quiet \
     2>&1 | grep -v "^warning" | tail -4
   wait
