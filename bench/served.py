@@ -15,7 +15,10 @@ depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_token
 (a second `pulse serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk
 launched eagerly instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-hold` (a second
 `pulse serve` like `pulse` whose engine holds step outputs 200 us a stream before handing them to the worker's
-streams, `workers.engine.handover_us_per_stream`; the default is 50), `llama`
+streams, `workers.engine.handover_us_per_stream`; the default is 50), `pulse-q4` (a second `pulse serve` like
+`pulse` at the default worker queue, `admission.worker_queue_max` 4: with `--worker-queue N` for `pulse`, the A/B of
+letting the worker hold N requests beyond its batch, so that a finished sequence's place is refilled inside the
+engine rather than after the gateway hears of the end), `llama`
 (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
 Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
 instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
@@ -166,15 +169,19 @@ def counter():
         i += 1
 
 
-def pulse_config(args, port: int, log_dir: Path, process: str = "auto", name: str = "", **engine) -> Path:
+def pulse_config(args, port: int, log_dir: Path, process: str = "auto", name: str = "", admission: dict | None = None,
+                 **engine) -> Path:
     """`process`: workers.engine.process (auto: the engine in a process of its own on a GPU; "off" for the
-    pulse-inproc target, the engine's step thread in the worker's process as before that split); `engine`: more
-    workers.engine settings (the pulse-w0 target's prefill_wait_steps)."""
+    pulse-inproc target, the engine's step thread in the worker's process as before that split); `admission`:
+    admission settings (--worker-queue); `engine`: more workers.engine settings (the pulse-w0 target's
+    prefill_wait_steps)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
            "workers": {"backend": "cupy", "count": 1,
                        "engine": {"device": args.device, "process": process, **engine,
                                   **({} if args.profile_batch else {"max_num_seqs": max(args.clients)})}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
+    if admission:
+        cfg["admission"] = admission
     if args.profile:
         cfg["workers"]["device_profile"] = args.profile
     if args.model:
@@ -207,23 +214,26 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     # pulse, pulse-k0 and pulse-k8 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
     # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off, pulse-eager
-    # its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold
-    for name, process, engine, targets in (
-            (args.engine_process, args.engine_process,
+    # its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold, pulse-q4 its own
+    # at the default worker queue (--worker-queue sets pulse's)
+    queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
+    for name, process, admission, engine, targets in (
+            (args.engine_process, args.engine_process, queue,
              {} if args.prefill_wait is None else {"prefill_wait_steps": args.prefill_wait},
              [t for t in args.targets if t in ("pulse", "pulse-k0", "pulse-k8")]),
-            ("off", "off", {}, [t for t in args.targets if t == "pulse-inproc"]),
-            ("w0", args.engine_process, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
-            ("serial", args.engine_process, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
-            ("eager", args.engine_process, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"]),
-            ("hold", args.engine_process, {"handover_us_per_stream": 200.0},
-             [t for t in args.targets if t == "pulse-hold"])):
+            ("off", "off", {}, {}, [t for t in args.targets if t == "pulse-inproc"]),
+            ("w0", args.engine_process, {}, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
+            ("serial", args.engine_process, {}, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
+            ("eager", args.engine_process, {}, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"]),
+            ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
+             [t for t in args.targets if t == "pulse-hold"]),
+            ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"])):
         if not targets:
             continue
         port = free_port()
         proc = Proc(f"pulse-{name}", python_module(
-            "pulse.cli", "serve", "--config", str(pulse_config(args, port, log_dir, process, name, **engine))),
-            log_dir, env=env)
+            "pulse.cli", "serve", "--config",
+            str(pulse_config(args, port, log_dir, process, name, admission, **engine))), log_dir, env=env)
         procs.append(proc)
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
         base = f"http://127.0.0.1:{port}"
@@ -279,7 +289,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
                     choices=["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                             "pulse-hold", "llama"])
+                             "pulse-hold", "pulse-q4", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -303,6 +313,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-wait", type=int, help=(
         "workers.engine.prefill_wait_steps for the pulse and pulse-k0 targets (default: the profile's); beside "
         "pulse-w0 (0) it is the A/B of prefill coalescing"))
+    ap.add_argument("--worker-queue", type=int, help=(
+        "admission.worker_queue_max for the pulse and pulse-k0 targets (default: the config's, 4): requests a worker "
+        "is sent beyond its batch; beside pulse-q4 (4) it is the A/B of refilling finished places inside the engine"))
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(
@@ -365,8 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold", "llama",
-                          "engine"):
+            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold",
+                          "pulse-q4", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,
