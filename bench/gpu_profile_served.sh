@@ -39,7 +39,8 @@ for clients in ${CLIENTS:-256}; do
     for pid in $pids; do echo "end $(ticks "$pid") $(date +%s.%N) hz $(getconf CLK_TCK)" >> "$out/cpu-$pid.txt"; done
   ) &
   timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.served --model "$model" --device cuda --profile h200 \
-    --targets pulse --workloads story --sampling "${SAMPLING:-greedy}" --clients "$clients" --tokens 128 ${SERVED_EXTRA:-} \
+    --targets pulse --workloads story --sampling "${SAMPLING:-greedy}" --clients "$clients" --tokens 128 \
+    ${SERVED_EXTRA:-} \
     --per-client "${PER_CLIENT:-8}" --repeats 1 --warmup 1 --duration 60 --timeout 120 --out "$out" --quiet \
     2>&1 | grep -v "^warning" | tail -4
   wait

@@ -5,39 +5,40 @@ streaming, at the settings users send.
         --workloads story code json --sampling greedy t1 --repeats 3 --warmup 1
 
 Targets (`--targets`): `pulse` (pulse serve, the CuPy engine, the device profile's speculation, each sequence's
-depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation), `pulse-k8` (the same server, each request
-`max_draft_tokens: 8`: the h200 profile's cap before it drafted up to 16 at 1-4 streams),
-`pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
+depth adapting to its acceptance), `pulse-k0` (the same server, `max_draft_tokens: 0`: no speculation), `pulse-k8`
+(the same server, each request `max_draft_tokens: 8`: the h200 profile's cap before it drafted up to 16 at 1-4
+streams), `pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step thread in the worker's own process:
 `workers.engine.process: off`, the placement before the engine process), `pulse-w0` (a second `pulse serve` like
-`pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for
-`pulse`, the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like
-`pulse` with `workers.engine.overlap: off`: each engine step read before the next is launched), `pulse-eager`
-(a second `pulse serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk
-launched eagerly instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-hold` (a second
-`pulse serve` like `pulse` whose engine holds step outputs 200 us a stream before handing them to the worker's
-streams, `workers.engine.handover_us_per_stream`; the default is 50), `pulse-q4` (a second `pulse serve` like
-`pulse` at the default worker queue, `admission.worker_queue_max` 4: with `--worker-queue N` for `pulse`, the A/B of
-letting the worker hold N requests beyond its batch, so that a finished sequence's place is refilled inside the
-engine rather than after the gateway hears of the end), `llama`
-(llama-server started directly with the device profile's flags, -ngl 99 and one slot per client).
-Workloads: `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an
-instruction to rewrite it, distinct per request), `json` (chat with a JSON-schema `response_format`).
-Sampling: `greedy` (temperature 0) and `t1` (temperature 1, no top_k / top_p: OpenAI's default).
-Each run: C clients, each sending --per-client requests in a closed loop, `ignore_eos` so every request
-generates --tokens tokens; `--stagger S` spreads the clients' first requests over S seconds, so that requests end
-and arrive spread over the run as independent agents' do (without it they start, end and re-arrive together, and
-few steps carry a prompt; the engine alone then runs with staggered arrivals too). The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts
-= 72 runs a repeat; on the H200 one warm-up and two repeats of it at one request per client did not fit in 9
-minutes, llama-server's 32- and 64-client runs the longest): on a time-limited machine run a part of it per
-call (--workloads / --targets); every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated tokens over the run's wall time), TTFT p50 /
-p99, and for Pulse's GPU engine `eager_share`: the run's engine forwards that ran eagerly (a step no CUDA graph
-fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs off) over all its forwards, from the workers' `forwards_by_path`,
-`batch_mean` (decoding sequences per forward: whether the batch stays full past saturation) and `steps_per_s`
-(forwards over the run's wall time: whether the steps slowed). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a Markdown
-table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
+`pulse` whose scheduler admits every arrival at once, `prefill_wait_steps: 0`; with `--prefill-wait N` for `pulse`,
+the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like `pulse` with
+`workers.engine.overlap: off`: each engine step read before the next is launched), `pulse-eager` (a second `pulse
+serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk launched eagerly
+instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-hold` (a second `pulse serve` like
+`pulse` whose engine holds step outputs 200 us a stream before handing them to the worker's streams,
+`workers.engine.handover_us_per_stream`; the default is 50), `pulse-q4` (a second `pulse serve` like `pulse` with
+`admission.worker_queue_max: 4`, the default before the h200 profile's `worker_queue: 128`: beside `pulse`, the A/B
+of letting the worker hold requests beyond its batch, so that a finished sequence's place is refilled inside the
+engine rather than after the gateway hears of the end; `--worker-queue N` sets `pulse`'s), `llama` (llama-server
+started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads: `story` (a distinct
+short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it, distinct per
+request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and `t1`
+(temperature 1, no top_k / top_p: OpenAI's default). Each run: C clients, each sending --per-client requests in a
+closed loop, `ignore_eos` so every request generates --tokens tokens; `--stagger S` spreads the clients' first
+requests over S seconds, so that requests end and arrive spread over the run as independent agents' do (without it
+they start, end and re-arrive together, and few steps carry a prompt; the engine alone then runs with staggered
+arrivals too). The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts = 72 runs a repeat;
+on the H200 one warm-up and two repeats of it at one request per client did not fit in 9 minutes, llama-server's 32-
+and 64-client runs the longest): on a time-limited machine run a part of it per call (--workloads / --targets);
+every run's result is appended to records.jsonl in the log folder as it lands. Metrics: aggregate tok/s (generated
+tokens over the run's wall time), TTFT p50 / p99, and for Pulse's GPU engine `eager_share`: the run's engine
+forwards that ran eagerly (a step no CUDA graph fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs
+off) over all its forwards, from the workers' `forwards_by_path`, `batch_mean` (decoding sequences per forward:
+whether the batch stays full past saturation) and `steps_per_s` (forwards over the run's wall time: whether the
+steps slowed). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a
+Markdown table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
-batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling
-the served path is measured against (`pulse/engine`).
+batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling the
+served path is measured against (`pulse/engine`).
 """
 from __future__ import annotations
 
@@ -212,10 +213,10 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     """{target: (base URL, model id)}; servers started and healthy."""
     bases = {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    # pulse, pulse-k0 and pulse-k8 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's process,
-    # pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off, pulse-eager
-    # its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold, pulse-q4 its own
-    # at the default worker queue (--worker-queue sets pulse's)
+    # pulse, pulse-k0 and pulse-k8 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's
+    # process, pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off,
+    # pulse-eager its own with mixed steps launched eagerly, pulse-hold its own with a 200 us hand-over hold,
+    # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's)
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
             (args.engine_process, args.engine_process, queue,
@@ -224,7 +225,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("off", "off", {}, {}, [t for t in args.targets if t == "pulse-inproc"]),
             ("w0", args.engine_process, {}, {"prefill_wait_steps": 0}, [t for t in args.targets if t == "pulse-w0"]),
             ("serial", args.engine_process, {}, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
-            ("eager", args.engine_process, {}, {"mixed_graphs": False}, [t for t in args.targets if t == "pulse-eager"]),
+            ("eager", args.engine_process, {}, {"mixed_graphs": False},
+             [t for t in args.targets if t == "pulse-eager"]),
             ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
              [t for t in args.targets if t == "pulse-hold"]),
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"])):
@@ -314,8 +316,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "workers.engine.prefill_wait_steps for the pulse and pulse-k0 targets (default: the profile's); beside "
         "pulse-w0 (0) it is the A/B of prefill coalescing"))
     ap.add_argument("--worker-queue", type=int, help=(
-        "admission.worker_queue_max for the pulse and pulse-k0 targets (default: the config's, 4): requests a worker "
-        "is sent beyond its batch; beside pulse-q4 (4) it is the A/B of refilling finished places inside the engine"))
+        "admission.worker_queue_max for the pulse and pulse-k0 targets (default: unset, so the device profile's "
+        "worker_queue, else 4): requests a worker is sent beyond its batch; pulse-q4 runs with 4"))
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(
@@ -378,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [pivot(summary, args), ""]
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-hold",
-                          "pulse-q4", "llama", "engine"):
+            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
+                          "pulse-hold", "pulse-q4", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,

@@ -17,7 +17,8 @@ The answer (`AdmissionDecision`):
 
 A request fits when the target's free KV (blocks free, less this gateway's reservations) holds its new
 tokens (prompt - cached prefix + kv_reserve_fraction * max_tokens) and the target has a slot or room in
-its own queue (cfg.worker_queue_max). Requests queue in priority order: a new request never overtakes
+its own queue (`worker_queue`: cfg.worker_queue_max where set, else what the worker says it holds at no cost
+per step, else 4). Requests queue in priority order: a new request never overtakes
 queued requests of the same or higher priority. `DrainRate` measures how fast the queue empties;
 Retry-After is the time the queue ahead would take to drain at that rate.
 
@@ -119,8 +120,25 @@ def _never_fits(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: 
     )
 
 
+DEFAULT_WORKER_QUEUE = 4
+
+
+def worker_queue(w: WorkerLoad, cfg: AdmissionConfig) -> int:
+    """Requests beyond its slots `w` may be sent: the operator's admission.worker_queue_max where set, else the
+    worker's own figure (its device profile's worker_queue: the GPU engine's scheduler queue, where a finished
+    sequence's place is refilled at the next step instead of after the gateway hears of the end), else 4.
+
+    A deeper worker queue fills the batch past saturation (on the H200, 128 beyond 256 places: decoding sequences
+    a step 177-180 -> 214-216 of 256 at 512-1,000 clients, served tok/s 1.06-1.11x, TTFT p50 lower; BENCHMARKS.md,
+    issue 25), but the requests in it are served in arrival order: tenant fairness (FairOrder) holds only for
+    what waits in the gateway, so profiles set it where the batch is large against the queue."""
+    if cfg.worker_queue_max is not None:
+        return cfg.worker_queue_max
+    return DEFAULT_WORKER_QUEUE if w.queue_max is None else w.queue_max
+
+
 def _fits_now(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> bool:
-    if w.refused or w.active >= w.slots + cfg.worker_queue_max:
+    if w.refused or w.active >= w.slots + worker_queue(w, cfg):
         return False
     free = w.kv_free_tokens
     return free is None or kv_tokens_needed(request, max_tokens, cfg) <= free
@@ -144,7 +162,7 @@ def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
         return False
     mine = w.inflight + max(1, queue.queued)
     others = max(0, w.active - w.inflight) + w.gateways_waiting
-    share = max(1, math.floor((w.slots + cfg.worker_queue_max) * mine / (mine + others) + 0.5))
+    share = max(1, math.floor((w.slots + worker_queue(w, cfg)) * mine / (mine + others) + 0.5))
     return w.inflight >= share
 
 

@@ -315,8 +315,10 @@ class AdmissionConfig(PulseModel):
     background_queue_share: float = Field(
         0.5, ge=0, le=1, description="Share of the queue that priority < 0 (background) requests may fill."
     )
-    worker_queue_max: int = Field(
-        4, ge=0, description="Requests beyond its slots a worker may be sent (its own queue) before the gateway queues."
+    worker_queue_max: int | None = Field(
+        None, ge=0, description="Requests beyond its slots a worker may be sent (its own queue) before the gateway "
+        "queues; empty: what the worker says it holds at no cost per step (its device profile's worker_queue: 128 "
+        "on the h200), else 4."
     )
     kv_reserve_fraction: float = Field(
         1.0, ge=0, le=1, description="Share of max_tokens reserved in the worker's KV budget at admission."

@@ -48,6 +48,10 @@ class DeviceProfile(PulseModel):
         "Prefill coalescing: a request arriving while others decode waits up to this many engine steps so that "
         "arrivals share one eager prefill step and the rest stay on CUDA graphs (workers/cupy/scheduler.py); "
         "0: admit at once."))
+    worker_queue: int | None = Field(None, ge=0, description=(
+        "Requests beyond max_num_seqs the engine takes into its own queue (the gateway sends them unless "
+        "admission.worker_queue_max is set), so a finished sequence's place is refilled at the next step rather "
+        "than after the gateway hears of the end; empty: the gateway's default (4)."))
     llama_server_args: list[str] = Field(default_factory=list, description="llama-server flags for this box.")
     llama_server_slots: int = Field(4, ge=1, description="llama-server -np.")
     source: str = Field("", description="Where the figures come from (command, document).")

@@ -37,6 +37,7 @@ class WorkerLoad:
     running: int = 0  # sequences generating now (from stats)
     waiting: int = 0  # sequences queued inside the backend (from stats)
     slots: int = 1  # sequences it can run at once
+    queue_max: int | None = None  # requests beyond its slots it would hold waiting (its profile's); None: no word
     kv_blocks_total: int = 0  # 0: unknown (e.g. llama-server); KV checks are then skipped
     kv_blocks_used: int = 0
     block_size: int = 16

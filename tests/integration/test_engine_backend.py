@@ -8,6 +8,7 @@ import pytest_asyncio
 from cache.hashing import chain_hashes
 from policy.config import PulseConfig
 from policy.profiles import builtin_profiles
+from policy.types import load_fields
 from tests.integration.engine_helpers import PROMPTS, encode
 from workers.cupy.backend import EngineBackend
 from workers.protocol import BackendError, GenerateRequest, SamplingParams
@@ -24,7 +25,8 @@ async def backend(request):
     events = []
     config = PulseConfig.model_validate({"workers": {"engine": {"kv_blocks": 128, "max_num_seqs": 4,
                                                                 "process": request.param}}})
-    b = EngineBackend(config, builtin_profiles()["cpu"], load_model_info(None), block_sink=events.append)
+    profile = builtin_profiles()["cpu"].model_copy(update={"worker_queue": 6})  # said in stats, nothing else
+    b = EngineBackend(config, profile, load_model_info(None), block_sink=events.append)
     b.events = events
     await b.start()
     assert b.in_engine_process == (request.param == "on")
@@ -154,4 +156,6 @@ async def test_bad_requests_raise_400_before_any_chunk(backend, bad):
 async def test_stats_describe_the_engine(backend):
     s = backend.stats()
     assert s.slots == 4 and s.kv_blocks_total == 128 and s.block_size == 16 and s.healthy
+    # the profile's engine queue, as the gateway's admission reads it (policy.admission.worker_queue)
+    assert s.queue_max == 6 and load_fields(s)["queue_max"] == 6
     assert await backend.health()

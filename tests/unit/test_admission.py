@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.admission import DrainRate, admit, expired, kv_tokens_needed, over_share, retry_after
+from policy.admission import DrainRate, admit, expired, kv_tokens_needed, over_share, retry_after, worker_queue
 from policy.config import AdmissionConfig
 from policy.types import AdmissionRequest, QueueState, WorkerLoad
 
@@ -95,6 +95,24 @@ def test_without_others_waiting_nothing_changes():
     assert d.action == "admit"
     d = admit(W(total=0, running=3, slots=4, inflight=3, polled_inflight=3, gateways_waiting=20), A(), Q(), cfg)
     assert d.action == "queue"  # 4 places, 4 wanted here, 20 elsewhere: this gateway's share is 1 and it holds 3
+
+
+@pytest.mark.parametrize("configured, said, want", [
+    (None, None, 4),  # neither says: 4
+    (None, 128, 128),  # the worker's profile (the h200's engine queue)
+    (0, 128, 0),  # the operator's setting wins (the fairness tests hold every request in the gateway)
+    (2, None, 2),
+])
+def test_worker_queue_is_the_operators_else_the_workers_else_4(configured, said, want):
+    assert worker_queue(W(queue_max=said), AdmissionConfig(worker_queue_max=configured)) == want
+
+
+def test_a_worker_that_holds_a_queue_is_sent_that_many_beyond_its_slots():
+    cfg = AdmissionConfig(queue_max=10)  # worker_queue_max unset
+    deep, plain = W(total=0, running=4, waiting=7, slots=4, queue_max=8), W(total=0, running=4, waiting=7, slots=4)
+    assert admit(deep, A(), Q(), cfg).action == "admit"  # 11 of 4 + 8
+    assert admit(plain, A(), Q(), cfg).action == "queue"  # 11 past 4 + 4
+    assert admit(W(total=0, running=4, waiting=8, slots=4, queue_max=8), A(), Q(), cfg).action == "queue"
 
 
 def test_overflow_messages_say_by_how_much():

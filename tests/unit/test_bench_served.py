@@ -22,13 +22,13 @@ def test_bodies_follow_the_target_workload_and_sampling():
     assert body_extra("llama", "json", "t1")["response_format"]["type"] == "json_schema"
 
 
-def test_worker_queue_reaches_the_served_config_and_pulse_q4_keeps_the_default(tmp_path):
+def test_worker_queue_reaches_the_served_config_and_pulse_q4_sets_4(tmp_path):
     args = _parse(["--targets", "pulse", "pulse-q4", "--worker-queue", "128", "--profile-batch"])
     main = load_config(pulse_config(args, 8123, tmp_path, "on", "on", {"worker_queue_max": args.worker_queue}))
     q4 = load_config(pulse_config(args, 8124, tmp_path, "on", "q4", {"worker_queue_max": 4}))
     plain = load_config(pulse_config(args, 8125, tmp_path, "on", "plain"))
     assert (main.admission.worker_queue_max, q4.admission.worker_queue_max) == (128, 4)
-    assert plain.admission.worker_queue_max == 4  # nothing set: the config's default
+    assert plain.admission.worker_queue_max is None  # nothing set: the worker's profile decides
 
 
 def test_pivot_has_a_row_per_cell_and_a_column_group_per_target():

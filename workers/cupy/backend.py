@@ -296,7 +296,7 @@ class EngineBackend(Backend):
         snap = self.snapshot()
         if not snap:
             return BackendStats(healthy=False, block_size=self.block_size)
-        return BackendStats(**snap, healthy=self._healthy)
+        return BackendStats(**snap, healthy=self._healthy, queue_max=self._profile.worker_queue)
 
     def pipeline_stats(self) -> dict | None:
         """The pipeline's transport, bytes and transfer time per token (workers/pipeline); None without one."""

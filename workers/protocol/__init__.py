@@ -105,6 +105,9 @@ class BackendStats(msgspec.Struct):
     running: int = 0  # sequences generating now
     waiting: int = 0  # sequences queued inside the backend
     slots: int = 1  # sequences it can run at once
+    # requests beyond its slots it holds waiting at no cost per step, so a finished sequence's place is refilled
+    # inside it (its device profile's worker_queue); None: the gateway's admission.worker_queue_max decides
+    queue_max: int | None = None
     # requests waiting in the admission queues of the gateways other than the one asking, as each told this worker
     # in its latest stats poll (workers/stream.py): with several gateway replicas, each takes its share of the places
     gateways_waiting: int = 0
