@@ -24,6 +24,10 @@
 # independent agents' are (without --stagger closed-loop clients re-arrive together and few steps carry a prompt):
 #   TARGETS="pulse pulse-eager" SERVED_ARGS="--clients 64 256 --per-client 6 --stagger 1 --repeats 2 --warmup 1
 #     --duration 60 --timeout 120 --profile-batch --engine-alone" bash bench/gpu_served.sh story
+# The worker's own queue past saturation (the h200 profile's worker_queue 128 against a queue of 4; issue 25):
+#   TARGETS="pulse pulse-q4" SERVED_ARGS="--clients 256 512 1000 --sampling t1 --per-client 4 --repeats 2
+#     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=320
+#     bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
