@@ -23,7 +23,9 @@ from importlib import resources
 from aiohttp import web
 
 from gateway.errors import APIError
+from gateway.router import load_of
 from gateway.status_history import History, Reading
+from policy.admission import worker_queue
 
 log = logging.getLogger("pulse.gateway.status")
 
@@ -202,6 +204,8 @@ class StatusBoard:
             "backend": info.backend, "models": [info.model] if info.model else self.models(),
             "healthy": w.routable(now), "why": _why(w, now),
             "running": s.running, "waiting": s.waiting, "slots": s.slots, "inflight": w.inflight,
+            # requests the gateway sends it beyond its slots (policy.admission.worker_queue)
+            "queue": worker_queue(load_of(w), self.gate.cfg),
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
             "tokens_per_s": round(s.tokens_per_s, 2), "prefill_tokens_per_s": round(s.prefill_tokens_per_s, 2),
             "generated_tokens": s.generated_tokens, "preemptions": s.preemptions, "restarts": s.restarts,

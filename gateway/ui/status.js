@@ -201,6 +201,7 @@
     stat(dl, "Tokens/s", num(w.tokens_per_s));
     stat(dl, "Prefill tokens/s", num(w.prefill_tokens_per_s));
     stat(dl, "Running / waiting", w.running + " / " + w.waiting, meter(w.running, w.slots));
+    stat(dl, "Places + its queue", num(w.slots, 0) + " + " + num(w.queue, 0));
     stat(dl, "KV blocks", num(w.kv_blocks_used, 0) + " / " + num(w.kv_blocks_total, 0), meter(w.kv_blocks_used, w.kv_blocks_total));
     stat(dl, "Speculation K", w.speculation_k === null ? "off" : String(w.speculation_k));
     stat(dl, "Draft acceptance", pct(w.acceptance));

@@ -187,6 +187,7 @@ def test_page_shows_every_worker_and_live_tokens_per_s(server, page, tmp_path):
         text = page.inner_text("#workers")
         assert all(wid in text for wid in ids), text
         assert "healthy" in text and MODEL in text and "KV blocks" in text
+        assert "Places + its queue" in text and " + 4" in text  # the CPU profile says no queue: the gateway's 4
         page.wait_for_function("() => document.getElementById('conn').textContent === '2/2 workers healthy'",
                                timeout=WAIT_MS)
         assert "model_not_found" in page.inner_text("#errors")

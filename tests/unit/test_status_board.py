@@ -26,7 +26,7 @@ def worker(wid: str, **stats) -> WorkerState:
 def board() -> StatusBoard:
     pool = WorkerPool(no_workers)
     up = worker("w-up", running=2, waiting=1, slots=4, kv_blocks_total=100, kv_blocks_used=40, tokens_per_s=12.5,
-                speculation_k=3, drafted_by_position=[10, 6], accepted_by_position=[8, 4])
+                speculation_k=3, drafted_by_position=[10, 6], accepted_by_position=[8, 4], queue_max=128)
     silent = worker("w-silent", tokens_per_s=99.0)
     silent.healthy = False  # its last poll failed
     sick = worker("w-sick", healthy=False)
@@ -50,6 +50,8 @@ async def test_workers_say_why_they_are_out_and_how_drafts_fare():
     assert rows["w-sick"]["why"] == "the backend reports itself unhealthy"
     assert not rows["w-tripped"]["healthy"] and rows["w-tripped"]["why"].startswith("circuit open after 3 failed")
     assert rows["w-silent"]["acceptance"] is None and rows["w-silent"]["blocks_indexed"] == 0
+    # what the gateway sends beyond the slots: the worker's own figure, else 4 (admission.worker_queue_max unset)
+    assert (up["queue"], rows["w-silent"]["queue"]) == (128, 4)
 
 
 async def test_minute_figures_come_from_the_metrics_and_skip_unhealthy_workers():
