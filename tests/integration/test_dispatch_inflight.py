@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
@@ -24,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.router import PrefixRouter, load_of
 from policy.config import PulseConfig
+from tests.waiting import until
 from workers.loadtest import LoadTestBackend
 from workers.protocol import BackendStats, GenerateRequest, WorkerInfo
 from workers.stream import StreamServer
@@ -98,8 +98,8 @@ async def test_a_refusal_before_output_withdraws_the_provisional_blocks_and_a_fu
         # its one slot is taken (the gateway's view, polled before, said free): it refuses (429) before any output
         b = asyncio.create_task(dispatcher.open(GenerateRequest(request_id="b", prompt_ids=PROMPT, max_tokens=4)))
         # the 429's round trip, then the withdrawal's task (a fixed 0.3 s was not always enough on a loaded CI box)
-        await _until(lambda: w.refused)
-        await _until(lambda: index.longest_prefix(chain_hashes(PROMPT, 16)), {w.worker_id: 10})
+        await until(lambda: w.refused)
+        await until(lambda: index.longest_prefix(chain_hashes(PROMPT, 16)), {w.worker_id: 10})
         assert w.pending_prefill == 0 and w.inflight == 1
         # full, not gone: the request waits in the queue for its place (it was a 503 "no healthy worker")
         assert not b.done() and w.refused and dispatcher.gate.depth == 1
@@ -130,21 +130,6 @@ async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_
         dispatcher.close(ticket)
     finally:
         await _teardown(servers, pool)
-
-
-async def _until(probe, expected=True, timeout_s: float = 10.0) -> None:
-    """Wait until `probe()` (awaited if it returns an awaitable) equals `expected`; fail after `timeout_s`
-    with the last value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        got = probe()
-        if inspect.isawaitable(got):
-            got = await got
-        if got == expected:
-            return
-        assert loop.time() < deadline, f"still {got!r}, not {expected!r}, after {timeout_s} s"
-        await asyncio.sleep(0.01)
 
 
 async def _finish(dispatcher: Dispatcher, ticket) -> None:

@@ -3,13 +3,13 @@ another prompt comes back from its file as cached tokens; the index shows it in 
 least recently used file goes; and with the default config nothing is written."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from cache.hashing import chain_hashes
 from cache.memory_index import MemoryPrefixIndex
 from cache.publisher import BlockPublisher
 from tests.integration.llama_server_helpers import collect, encode, make_backend, request
+from tests.waiting import until
 from workers.llama_server.checkpoints import checkpoint_name
 
 NO_RAM_CACHE = ["--cache-ram", "0"]
@@ -99,18 +99,11 @@ async def test_save_after_request_saves_in_the_background_once(tmp_path):
     ck = backend.checkpoints
     try:
         await collect(backend, request("a1", A, max_tokens=4))
-        await _until(lambda: ck.saves == 1)  # saved after the request, not when B takes the slot
+        await until(lambda: ck.saves == 1, timeout_s=30)  # saved after the request, not when B takes the slot
         assert files(ck_dir / "t") == {checkpoint_name(backend.lanes[0].slots.slots[0].hashes[-1])}
         await collect(backend, request("b1", B, max_tokens=4))
-        await _until(lambda: ck.saves == 2)  # B's own; A was not saved a second time
+        await until(lambda: ck.saves == 2, timeout_s=30)  # B's own; A was not saved a second time
         usage = (await collect(backend, request("a2", A, max_tokens=2)))[-1].usage
         assert ck.restores == 1 and usage.cached_tokens >= len(A) - 1
     finally:
         await backend.close()
-
-
-async def _until(cond, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)

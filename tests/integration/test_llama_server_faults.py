@@ -17,17 +17,10 @@ from bench.procs import wait_gone
 from tests.conftest import ROOT
 from tests.integration.llama_server_helpers import (
     collect, encode, llama_server_binary, make_backend, pid_alive, request)
+from tests.waiting import until
 from workers.protocol import BackendError
 
 PROMPT = "Tell me a long story about a lighthouse keeper, the sea, the storms and the ships he saved."
-
-
-async def wait_until(pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s")
-        await asyncio.sleep(0.05)
 
 
 async def test_crash_mid_stream_ends_the_stream_and_the_process_comes_back(tmp_path):
@@ -46,11 +39,11 @@ async def test_crash_mid_stream_ends_the_stream_and_the_process_comes_back(tmp_p
         final = chunks[-1]
         assert final.finish_reason == "error" and final.error and ended_after < 2.0, (final, ended_after)
         assert final.usage.completion_tokens >= 3
-        await wait_until(lambda: backend.stats().restarts == 1, 5, "noticed")
+        await until(lambda: backend.stats().restarts == 1, timeout_s=5, what="noticed")
         # the index hears that the slot's KV is gone
         added = [h for e in events if e.kind == "added" for h in e.hashes]
         assert added and events[-1].kind == "evicted" and set(events[-1].hashes) == set(added)
-        await wait_until(lambda: backend.stats().healthy, 60, "restarted")
+        await until(lambda: backend.stats().healthy, timeout_s=60, what="restarted")
         assert backend.pids()[0] != pid
         again = await collect(backend, request("after", encode(PROMPT), 4))
         assert again[-1].finish_reason == "length" and again[-1].usage.completion_tokens == 4
@@ -64,7 +57,7 @@ async def test_crash_before_the_first_chunk_is_a_503(tmp_path):
     try:
         long_prompt = encode("The sea was calm that night. " * 300)  # seconds of prefill on a CPU
         task = asyncio.create_task(collect(backend, request("x", long_prompt, 4)))
-        await wait_until(lambda: backend.stats().running == 1, 5, "sent")
+        await until(lambda: backend.stats().running == 1, timeout_s=5, what="sent")
         await asyncio.sleep(0.3)
         assert not task.done()
         os.kill(backend.pids()[0], signal.SIGKILL)
@@ -89,8 +82,8 @@ async def test_hung_process_times_out_then_is_replaced(tmp_path):
         # headers_timeout_s (2 s) without headers, no tokens flowing, then /health unanswered for 2 s
         assert e.value.status == 503 and 3.5 < waited < 7.0, (e.value, waited)
         # /health does not answer either, so the hung process is killed and a new one started
-        await wait_until(lambda: backend.stats().restarts == 1, 10, "killed")
-        await wait_until(lambda: backend.stats().healthy, 60, "restarted")
+        await until(lambda: backend.stats().restarts == 1, timeout_s=10, what="killed")
+        await until(lambda: backend.stats().healthy, timeout_s=60, what="restarted")
         assert not pid_alive(pid)
         chunks = await collect(backend, request("ok", encode(PROMPT), 4))
         assert chunks[-1].finish_reason == "length"
