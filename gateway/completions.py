@@ -249,7 +249,8 @@ class CompletionService:
                 rm = self.metrics.request(call.model, start, api=api)
                 if gen.session_id and not self.dispatcher.router.knows(gen.session_id):
                     await self.dispatcher.pool.fresh_blocks()  # another replica may have routed its last turn
-                relay = Relay(self.dispatcher, gen, await self.dispatcher.open(gen), self.metrics)
+                relay = Relay(self.dispatcher, gen, await self.dispatcher.open(gen), self.metrics,
+                              wait_s=self.cfg.server.migration_wait_s)
                 span.set_attribute(tm.PULSE_WORKER, relay.first_worker.worker_id)
                 try:
                     if call.stream:

@@ -13,8 +13,11 @@ not tried yet. The worker continues as if it had produced those tokens itself (s
 strings, grammar, max_tokens and usage count them; workers/protocol), so the client sees one stream, and
 a greedy or seeded one on the engine is the same text an undisturbed run gives (llama-server: greedy
 only, and only as far as llama.cpp's output does not depend on the batch it ran in). At most
-`max_migrations` hand-overs per request; when none is possible the last batch is one error chunk, which
-the protocol writes as one in-band error event.
+`max_migrations` hand-overs per request. When no untried worker of the model is routable at that moment but
+one is known (unhealthy on its last poll, its circuit open, its llama-server restarting), the hand-over waits
+for it up to `wait_s` (server.migration_wait_s): the client cannot retry a stream it has half received. When
+none is possible the last batch is one error chunk, which the protocol writes as one in-band error event; with
+no other worker known at all (one worker) that is at once.
 
 The response's `x-pulse-worker` header names the worker the request was routed to (`first_worker`): a
 stream's headers have left before any hand-over, so a non-streamed answer names the same one. Each
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from array import array
 from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
 
-from gateway.dispatch import Dispatcher, Ticket
+from gateway.dispatch import Dispatcher, Ticket, holds
 from gateway.errors import APIError
 from gateway.pool import WorkerState
 from workers.protocol import Chunk, GenerateRequest, Usage
@@ -42,12 +46,14 @@ log = logging.getLogger("pulse.gateway.migration")
 # what a dead or unreachable worker's stream raises while it is read (ValueError: a torn JSON line)
 BROKEN = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 EVENT_MIGRATED = "pulse.migrated"  # an event on the request's span, one per hand-over
+WAIT_POLL_S = 0.1  # how often a hand-over waiting for a worker looks at the pool (its polls update it)
 
 
 class Relay:
     def __init__(self, dispatcher: Dispatcher, gen: GenerateRequest, ticket: Ticket, metrics, *,
-                 max_migrations: int = 2):
+                 max_migrations: int = 2, wait_s: float = 15.0):
         self.dispatcher, self.gen, self.metrics = dispatcher, gen, metrics
+        self.wait_s = wait_s
         self.ticket: Ticket | None = ticket
         self.first_worker: WorkerState = ticket.worker  # the one the response headers name
         self.max_migrations = max_migrations
@@ -106,7 +112,7 @@ class Relay:
         follow_on = msgspec.structs.replace(self.gen, request_id=f"{self.gen.request_id}.m{self.migrations}",
                                             resume_ids=self.delivered.tolist())
         try:
-            self.ticket = await self.dispatcher.open(follow_on, exclude=self._tried)
+            self.ticket = await self._open_elsewhere(follow_on)
         except APIError as e:
             return self._failed(f"{why} and no other worker could continue it", f"{broken}; {e.message}")
         self._tried.add(self.ticket.worker.worker_id)
@@ -115,6 +121,32 @@ class Relay:
             "pulse.worker.failed": failed, tm.PULSE_WORKER: self.ticket.worker.worker_id,
             "pulse.resumed_tokens": len(self.delivered)})
         return self.ticket.first, self.ticket.chunks
+
+    async def _open_elsewhere(self, follow_on: GenerateRequest) -> Ticket:
+        """The continuation on an untried worker. While none is routable but one is known, wait for it (its next
+        poll may find it healthy again) up to `wait_s`, trying again each time one is routable; then the last
+        refusal stands."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            while not self._any_routable() and self._any_known() and time.monotonic() < deadline:
+                await asyncio.sleep(WAIT_POLL_S)
+            try:
+                return await self.dispatcher.open(follow_on, exclude=self._tried)
+            except APIError as e:
+                if e.status != 503 or not self._any_known() or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(WAIT_POLL_S)
+
+    def _candidates(self) -> list[WorkerState]:
+        return [w for w in self.dispatcher.pool.workers.values()
+                if w.worker_id not in self._tried and holds(w, self.gen.model)]
+
+    def _any_known(self) -> bool:
+        return bool(self._candidates())
+
+    def _any_routable(self) -> bool:
+        now = time.monotonic()
+        return any(w.routable(now) for w in self._candidates())
 
     def _failed(self, message: str, detail: str) -> Chunk:
         """The error chunk that ends the stream; `detail` (exception text, addresses) goes to the log only."""

@@ -30,6 +30,10 @@ class ServerConfig(PulseModel):
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
     first_byte_timeout_s: float = Field(60.0, gt=0, description="Time a worker may take to send its first chunk.")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight streams may run on.")
+    migration_wait_s: float = Field(
+        15.0, ge=0, description="How long a stream whose worker failed mid-stream waits for another worker of its "
+        "model that is known but not routable now (unhealthy, restarting, circuit open) before it ends with an error."
+    )
     ray_dashboard: bool = Field(False, description="Start Ray's dashboard with the local Ray instance.")
     ray_address: str | None = Field(
         None, description="Join this Ray cluster instead of starting a local instance ('auto' finds a running one)."

@@ -1,0 +1,138 @@
+"""A hand-over when no other worker is routable at that moment (gateway/migration.py), against real worker
+channels (StreamServer + the load-test backend) and the real pool, dispatcher and relay:
+
+- another worker of the model is known but unhealthy on its last poll (here: draining; in the field its
+  llama-server restarting or a poll that timed out on a loaded box): the stream waits for it, and when its
+  next poll finds it healthy the stream goes on there, every token once, in order;
+- it stays unhealthy: the stream ends with one error chunk once `wait_s` has passed, not before;
+- no other worker is known (one worker): the error comes at once, whatever `wait_s` says.
+
+The first worker's stream is cut by aborting its TCP connections, as a killed process's are.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from gateway.admission_gate import AdmissionGate
+from gateway.dispatch import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.migration import Relay
+from gateway.pool import WorkerPool
+from gateway.router import PrefixRouter
+from policy.config import PulseConfig
+from tests.waiting import until
+from workers.loadtest import LoadTestBackend
+from workers.protocol import GenerateRequest, WorkerInfo
+from workers.stream import StreamServer
+
+TOKENS = 40
+CONFIG = PulseConfig.model_validate({"workers": {"backend": "loadtest",
+                                                 "loadtest": {"tokens": TOKENS, "tokens_per_s": 50.0}}})
+
+
+async def _setup(n: int):
+    servers, infos = [], []
+    for i in range(n):
+        srv = StreamServer(LoadTestBackend(CONFIG, worker_id=f"w{i}"), worker_id=f"w{i}")
+        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret))
+        servers.append(srv)
+
+    async def discover(worker_id):
+        return [i for i in infos if worker_id in (None, i.worker_id)]
+
+    pool = WorkerPool(discover, poll_interval_s=30)  # polled by hand below
+    await pool.start()
+    registry = CollectorRegistry()
+    dispatcher = Dispatcher(pool, PrefixRouter(None, CONFIG.routing), AdmissionGate(CONFIG.admission),
+                            GatewayMetrics(registry), trace.get_tracer("test"), context_length=32768)
+    return servers, pool, dispatcher, registry
+
+
+async def _teardown(servers, pool):
+    await pool.close()
+    for s in servers:
+        await s.close()
+
+
+def _cut(server: StreamServer) -> None:
+    """Every connection to the worker dropped at once, as when its process is killed."""
+    for handler in list(server._runner.server.connections):
+        if handler.transport is not None:
+            handler.transport.abort()
+
+
+async def _stream_cut_after_5(servers, pool, dispatcher, wait_s: float):
+    """Open a stream (on w0: the only routable worker), cut w0 after 5 tokens; returns (the relay, the task
+    collecting its chunks, the chunks so far, when the cut was)."""
+    gen = GenerateRequest(request_id="r", prompt_ids=list(range(100, 164)), max_tokens=TOKENS)
+    ticket = await dispatcher.open(gen)
+    assert ticket.worker.worker_id == "w0"
+    relay = Relay(dispatcher, gen, ticket, dispatcher.metrics, wait_s=wait_s)
+    chunks: list = []
+
+    async def collect():
+        async for batch in relay.batches():
+            chunks.extend(batch)
+
+    task = asyncio.create_task(collect())
+    await until(lambda: sum(len(c.token_ids) for c in chunks) >= 5, what="the first 5 tokens")
+    _cut(servers[0])
+    return relay, task, chunks, time.monotonic()
+
+
+def _migrations(registry: CollectorRegistry, outcome: str) -> float:
+    return registry.get_sample_value("pulse_stream_migrations_total", {"outcome": outcome}) or 0.0
+
+
+async def test_the_hand_over_waits_for_a_known_worker_and_goes_on_there_when_it_is_healthy_again():
+    servers, pool, dispatcher, registry = await _setup(2)
+    try:
+        servers[1].draining = True
+        await pool.poll_once()
+        assert [w.worker_id for w in pool.routable()] == ["w0"]
+        relay, task, chunks, _ = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=30)
+        await asyncio.sleep(1.0)
+        assert not task.done(), f"the stream ended while a known worker could still come back: {chunks[-1:]}"
+        servers[1].draining = False
+        await pool.poll_once()
+        await asyncio.wait_for(task, 10)
+        relay.close()
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == [1000 + i for i in range(TOKENS)]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == TOKENS
+        assert relay.migrations == 1 and _migrations(registry, "resumed") == 1
+    finally:
+        await _teardown(servers, pool)
+
+
+async def test_a_known_worker_that_stays_unhealthy_ends_the_stream_after_the_wait():
+    servers, pool, dispatcher, registry = await _setup(2)
+    try:
+        servers[1].draining = True
+        await pool.poll_once()
+        relay, task, chunks, cut_at = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=1.5)
+        await asyncio.wait_for(task, 10)
+        waited = time.monotonic() - cut_at
+        relay.close()
+        assert chunks[-1].finish_reason == "error" and "no other worker could continue it" in chunks[-1].error
+        assert 1.5 <= waited < 5, waited
+        assert _migrations(registry, "failed") == 1 and _migrations(registry, "resumed") == 0
+    finally:
+        await _teardown(servers, pool)
+
+
+async def test_with_no_other_worker_known_the_stream_ends_at_once():
+    servers, pool, dispatcher, registry = await _setup(1)
+    try:
+        relay, task, chunks, cut_at = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=30)
+        await asyncio.wait_for(task, 10)
+        waited = time.monotonic() - cut_at
+        relay.close()
+        assert chunks[-1].finish_reason == "error" and waited < 2, (chunks[-1], waited)
+        assert _migrations(registry, "failed") == 1
+    finally:
+        await _teardown(servers, pool)
