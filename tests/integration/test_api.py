@@ -6,12 +6,11 @@ client), test_routing_e2e.py, test_speculation.py and the reliability tests.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import aiohttp
-import pytest
+
+from tests.waiting import until
 
 MODEL = "gemma-3-270m"
 CHAT = "/v1/chat/completions"
@@ -182,13 +181,13 @@ async def test_client_disconnect_cancels_generation(loadtest_server):
                                                    messages=[{"role": "user", "content": "go"}]))
         assert resp.status == 200
         await resp.content.readline()
-        await asyncio.sleep(0.7)  # stats are polled every 0.5 s
-        assert await worker_running(base) >= 1
+
+        async def running() -> bool:  # stats are polled every 0.5 s; a loaded box may be later
+            return await worker_running(base) >= 1
+
+        await until(running, what="the worker's stats to show the stream running")
         resp.close()  # the client leaves mid-stream
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and await worker_running(base) > 0:
-        await asyncio.sleep(0.2)
-    assert await worker_running(base) == 0
+    await until(lambda: worker_running(base), 0, what="the worker to stop the generation of the client that left")
 
 
 async def test_models_health_metrics(loadtest_server):

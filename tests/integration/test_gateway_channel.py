@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway import channel
 from gateway.channel import Channels
 from policy.config import PulseConfig
+from tests.waiting import until
 from workers.loadtest import LoadTestBackend
 from workers.protocol import GenerateRequest, encode
 from workers.stream import StreamServer
@@ -166,8 +167,7 @@ async def test_a_stream_closed_at_its_final_chunk_keeps_its_connection_once_the_
         assert await _read_to_final(first) == ["a", ""]
         first.close()  # before the terminator: the connection waits for it
         assert channels.idle_count() == 0 and first.transport is not None
-        await asyncio.sleep(0.3)
-        assert channels.idle_count() == 1
+        await until(channels.idle_count, 1, timeout_s=5, what="the connection back in the pool")
         second = await channels.open(url, "/generate", b"{}", "x")
         assert second is first  # the same connection, not a new one
         assert await _read_to_final(second) == ["a", ""]
@@ -185,8 +185,8 @@ async def test_a_terminator_that_does_not_come_within_the_linger_drops_the_conne
         s = await channels.open(url, "/generate", b"{}", "x")
         assert await _read_to_final(s) == ["a", ""]
         s.close()
-        await asyncio.sleep(0.15)
-        assert s.transport is None and channels.idle_count() == 0
+        await until(lambda: s.transport is None and channels.idle_count() == 0, timeout_s=5,
+                    what="the connection dropped")
     finally:
         await channels.close()
         await runner.cleanup()
