@@ -95,11 +95,16 @@ class Dispatcher:
         ticket.response.close()
         self.gate.leave()
 
+    def untried(self, gen: GenerateRequest, tried: set[str]) -> list[WorkerState]:
+        """The known workers that hold `gen`'s model and are not in `tried`, routable now or not."""
+        return [w for w in self.pool.workers.values() if w.worker_id not in tried and holds(w, gen.model)]
+
     async def _admit(self, gen: GenerateRequest, tried: set[str]):
         chosen: dict = {}
 
         async def route():
-            workers = [w for w in self.pool.routable() if w.worker_id not in tried and holds(w, gen.model)]
+            now = time.monotonic()
+            workers = [w for w in self.untried(gen, tried) if w.routable(now)]
             if not workers:
                 chosen.clear()
                 return None, self._admission_request(gen, 0)

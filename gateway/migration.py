@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import msgspec
 
-from gateway.dispatch import Dispatcher, Ticket, holds
+from gateway.dispatch import Dispatcher, Ticket
 from gateway.errors import APIError
 from gateway.pool import WorkerState
 from workers.protocol import Chunk, GenerateRequest, Usage
@@ -128,25 +128,23 @@ class Relay:
         refusal stands."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            while not self._any_routable() and self._any_known() and time.monotonic() < deadline:
-                await asyncio.sleep(WAIT_POLL_S)
+            await self._until_routable(follow_on, deadline)
             try:
                 return await self.dispatcher.open(follow_on, exclude=self._tried)
             except APIError as e:
-                if e.status != 503 or not self._any_known() or time.monotonic() >= deadline:
+                if e.status != 503 or not self.dispatcher.untried(follow_on, self._tried) \
+                        or time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(WAIT_POLL_S)
 
-    def _candidates(self) -> list[WorkerState]:
-        return [w for w in self.dispatcher.pool.workers.values()
-                if w.worker_id not in self._tried and holds(w, self.gen.model)]
-
-    def _any_known(self) -> bool:
-        return bool(self._candidates())
-
-    def _any_routable(self) -> bool:
-        now = time.monotonic()
-        return any(w.routable(now) for w in self._candidates())
+    async def _until_routable(self, gen: GenerateRequest, deadline: float) -> None:
+        """Return once an untried worker is routable, none is known, or `deadline` has passed."""
+        while True:
+            now = time.monotonic()
+            known = self.dispatcher.untried(gen, self._tried)
+            if not known or now >= deadline or any(w.routable(now) for w in known):
+                return
+            await asyncio.sleep(WAIT_POLL_S)
 
     def _failed(self, message: str, detail: str) -> Chunk:
         """The error chunk that ends the stream; `detail` (exception text, addresses) goes to the log only."""

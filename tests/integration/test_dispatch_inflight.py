@@ -16,17 +16,15 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from cache.hashing import chain_hashes
-from cache.memory_index import MemoryPrefixIndex
 from gateway.admission_gate import AdmissionGate
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.router import PrefixRouter, load_of
 from policy.config import PulseConfig
+from tests.integration.gateway_helpers import start_dispatch, stop_dispatch
 from tests.waiting import until
-from workers.loadtest import LoadTestBackend
-from workers.protocol import BackendStats, GenerateRequest, WorkerInfo
-from workers.stream import StreamServer
+from workers.protocol import BackendStats, GenerateRequest
 
 PROMPT = list(range(1000, 1000 + 640))  # 40 blocks of 16
 
@@ -37,36 +35,8 @@ def _config(tokens_per_s: float, slots: int = 64, ttft_s: float = 0.0) -> PulseC
                                                                 "slots": slots, "ttft_s": ttft_s}}})
 
 
-async def _setup(config: PulseConfig, n: int = 2, models: list[tuple[str, str]] | None = None):
-    """`models`: per worker, (the model it holds, the model the gateway's view says it holds)."""
-    servers, infos = [], []
-    for i, (held, seen) in enumerate(models or [("", "")] * n):
-        srv = StreamServer(LoadTestBackend(config, worker_id=f"w{i}"), worker_id=f"w{i}",
-                           models=(held,) if held else ())
-        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret,
-                                model=seen))
-        servers.append(srv)
-
-    async def discover(worker_id):
-        return [i for i in infos if worker_id in (None, i.worker_id)]
-
-    pool = WorkerPool(discover, poll_interval_s=30)
-    await pool.start()
-    index = MemoryPrefixIndex()
-    dispatcher = Dispatcher(pool, PrefixRouter(index, config.routing), AdmissionGate(config.admission),
-                            GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768,
-                            index=index)
-    return servers, pool, index, dispatcher
-
-
-async def _teardown(servers, pool):
-    await pool.close()
-    for s in servers:
-        await s.close()
-
-
 async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_its_first_chunk():
-    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=2.0, ttft_s=0.5))  # first chunk after ~0.5 s
+    servers, pool, index, dispatcher = await start_dispatch(_config(tokens_per_s=2.0, ttft_s=0.5))  # first chunk after ~0.5 s
     try:
         gen = GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4)
         opening = asyncio.create_task(dispatcher.open(gen))
@@ -86,11 +56,11 @@ async def test_a_routed_request_counts_as_pending_prefill_and_is_indexed_before_
         dispatcher.close(ticket)
         assert w.inflight == 0
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_a_refusal_before_output_withdraws_the_provisional_blocks_and_a_full_worker_is_waited_for():
-    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=4.0, slots=1), n=1)
+    servers, pool, index, dispatcher = await start_dispatch(_config(tokens_per_s=4.0, slots=1), n=1)
     (w,) = pool.workers.values()
     try:
         await index.publish(w.worker_id, chain_hashes(PROMPT, 16)[:10])  # the worker really holds 10 blocks
@@ -111,14 +81,14 @@ async def test_a_refusal_before_output_withdraws_the_provisional_blocks_and_a_fu
         assert ticket.worker is w and not w.refused
         await _finish(dispatcher, ticket)
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_the_client():
     """The gateway's view says both workers hold m-a, but w1 holds m-b (restarted with another model):
     a request routed there (its prefix is indexed at w1, so the router prefers it) gets w1's 421 and is
     opened on w0 instead of failing."""
-    servers, pool, index, dispatcher = await _setup(_config(tokens_per_s=200.0),
+    servers, pool, index, dispatcher = await start_dispatch(_config(tokens_per_s=200.0),
                                                     models=[("m-a", "m-a"), ("m-b", "m-a")])
     try:
         await index.publish("w1", chain_hashes(PROMPT, 16), "gpu")
@@ -129,7 +99,7 @@ async def test_a_worker_that_does_not_hold_the_model_is_skipped_not_returned_to_
         assert ticket.first and not ticket.first[0].error
         dispatcher.close(ticket)
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def _finish(dispatcher: Dispatcher, ticket) -> None:
@@ -142,7 +112,7 @@ async def _finish(dispatcher: Dispatcher, ticket) -> None:
 async def test_a_finished_request_stops_counting_before_the_next_poll():
     """The stats poll saw this gateway's request running; once it ends, the worker's load drops at once
     (the next request to the prefix holder must not see it busy until the next poll, 0.5 s later)."""
-    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=200.0), n=1)  # poll_interval 30 s
+    servers, pool, _index, dispatcher = await start_dispatch(_config(tokens_per_s=200.0), n=1)  # poll_interval 30 s
     (w,) = pool.workers.values()
     try:
         ticket = await dispatcher.open(GenerateRequest(request_id="a", prompt_ids=PROMPT, max_tokens=4))
@@ -154,13 +124,13 @@ async def test_a_finished_request_stops_counting_before_the_next_poll():
         await pool.poll_once()
         assert load_of(w).active == 0
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_another_replicas_requests_count_through_the_poll_and_ours_at_once():
     """Two gateway replicas (two pools and dispatchers) on one worker: the other's request is seen only
     through the poll; this one's own request counts from its routing to its end, on top of it."""
-    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=20.0), n=1)
+    servers, pool, _index, dispatcher = await start_dispatch(_config(tokens_per_s=20.0), n=1)
     other_pool = WorkerPool(pool._discover, poll_interval_s=30)
     await other_pool.start()
     other = Dispatcher(other_pool, PrefixRouter(None, PulseConfig().routing), AdmissionGate(PulseConfig().admission),
@@ -182,14 +152,14 @@ async def test_another_replicas_requests_count_through_the_poll_and_ours_at_once
         assert load_of(w).active == 0
     finally:
         await other_pool.close()
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_the_polled_share_is_the_peak_in_flight_since_the_poll_before():
     """The worker's figure may be older than its answer (the engine process reports it every 50 ms): what it
     counted of this gateway's is taken as the most this gateway had in flight from the poll before to this
     poll's answer, so a request that ended just before the poll does not count twice."""
-    servers, pool, _index, dispatcher = await _setup(_config(tokens_per_s=200.0), n=1)
+    servers, pool, _index, dispatcher = await start_dispatch(_config(tokens_per_s=200.0), n=1)
     (w,) = pool.workers.values()
     try:
         tickets = [await dispatcher.open(GenerateRequest(request_id=f"r{i}", prompt_ids=[i + 1], max_tokens=4))
@@ -203,4 +173,4 @@ async def test_the_polled_share_is_the_peak_in_flight_since_the_poll_before():
         await pool.poll_once()
         assert w.polled_own == 0 and load_of(w).active == 0  # a quiet interval: nothing of ours to subtract
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)

@@ -14,48 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from opentelemetry import trace
-from prometheus_client import CollectorRegistry
-
-from gateway.admission_gate import AdmissionGate
-from gateway.dispatch import Dispatcher
-from gateway.metrics import GatewayMetrics
 from gateway.migration import Relay
-from gateway.pool import WorkerPool
-from gateway.router import PrefixRouter
 from policy.config import PulseConfig
+from tests.integration.gateway_helpers import start_dispatch, stop_dispatch
 from tests.waiting import until
-from workers.loadtest import LoadTestBackend
-from workers.protocol import GenerateRequest, WorkerInfo
+from workers.protocol import GenerateRequest
 from workers.stream import StreamServer
 
 TOKENS = 40
 CONFIG = PulseConfig.model_validate({"workers": {"backend": "loadtest",
                                                  "loadtest": {"tokens": TOKENS, "tokens_per_s": 50.0}}})
-
-
-async def _setup(n: int):
-    servers, infos = [], []
-    for i in range(n):
-        srv = StreamServer(LoadTestBackend(CONFIG, worker_id=f"w{i}"), worker_id=f"w{i}")
-        infos.append(WorkerInfo(f"w{i}", await srv.start(), "loadtest", block_size=16, secret=srv.secret))
-        servers.append(srv)
-
-    async def discover(worker_id):
-        return [i for i in infos if worker_id in (None, i.worker_id)]
-
-    pool = WorkerPool(discover, poll_interval_s=30)  # polled by hand below
-    await pool.start()
-    registry = CollectorRegistry()
-    dispatcher = Dispatcher(pool, PrefixRouter(None, CONFIG.routing), AdmissionGate(CONFIG.admission),
-                            GatewayMetrics(registry), trace.get_tracer("test"), context_length=32768)
-    return servers, pool, dispatcher, registry
-
-
-async def _teardown(servers, pool):
-    await pool.close()
-    for s in servers:
-        await s.close()
 
 
 def _cut(server: StreamServer) -> None:
@@ -84,12 +52,13 @@ async def _stream_cut_after_5(servers, pool, dispatcher, wait_s: float):
     return relay, task, chunks, time.monotonic()
 
 
-def _migrations(registry: CollectorRegistry, outcome: str) -> float:
+def _migrations(dispatcher, outcome: str) -> float:
+    registry = dispatcher.metrics.registry
     return registry.get_sample_value("pulse_stream_migrations_total", {"outcome": outcome}) or 0.0
 
 
 async def test_the_hand_over_waits_for_a_known_worker_and_goes_on_there_when_it_is_healthy_again():
-    servers, pool, dispatcher, registry = await _setup(2)
+    servers, pool, _index, dispatcher = await start_dispatch(CONFIG, 2)
     try:
         servers[1].draining = True
         await pool.poll_once()
@@ -104,13 +73,13 @@ async def test_the_hand_over_waits_for_a_known_worker_and_goes_on_there_when_it_
         tokens = [t for c in chunks for t in c.token_ids]
         assert tokens == [1000 + i for i in range(TOKENS)]
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == TOKENS
-        assert relay.migrations == 1 and _migrations(registry, "resumed") == 1
+        assert relay.migrations == 1 and _migrations(dispatcher, "resumed") == 1
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_a_known_worker_that_stays_unhealthy_ends_the_stream_after_the_wait():
-    servers, pool, dispatcher, registry = await _setup(2)
+    servers, pool, _index, dispatcher = await start_dispatch(CONFIG, 2)
     try:
         servers[1].draining = True
         await pool.poll_once()
@@ -120,19 +89,19 @@ async def test_a_known_worker_that_stays_unhealthy_ends_the_stream_after_the_wai
         relay.close()
         assert chunks[-1].finish_reason == "error" and "no other worker could continue it" in chunks[-1].error
         assert 1.5 <= waited < 5, waited
-        assert _migrations(registry, "failed") == 1 and _migrations(registry, "resumed") == 0
+        assert _migrations(dispatcher, "failed") == 1 and _migrations(dispatcher, "resumed") == 0
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
 
 
 async def test_with_no_other_worker_known_the_stream_ends_at_once():
-    servers, pool, dispatcher, registry = await _setup(1)
+    servers, pool, _index, dispatcher = await start_dispatch(CONFIG, 1)
     try:
         relay, task, chunks, cut_at = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=30)
         await asyncio.wait_for(task, 10)
         waited = time.monotonic() - cut_at
         relay.close()
         assert chunks[-1].finish_reason == "error" and waited < 2, (chunks[-1], waited)
-        assert _migrations(registry, "failed") == 1
+        assert _migrations(dispatcher, "failed") == 1
     finally:
-        await _teardown(servers, pool)
+        await stop_dispatch(servers, pool)
