@@ -153,3 +153,46 @@ def test_real_model_arrivals_ride_mixed_graphs(real):  # noqa: F811
     # graphs and eager forwards sum in another order (fused small products, cuBLAS at another M): a near-tie
     # later in 24 tokens may break the other way, as with cuda_graphs off (test_sampling_gpu.py)
     assert [t[:4] for t in got[True, False]] == [t[:4] for t in got[False, False]]
+
+
+def test_real_model_a_burst_of_arrivals_beside_decodes_stays_on_the_graphs(real):  # noqa: F811
+    """Four requests decode; four ~70-token prompts arrive at once (4 + 280 tokens, past the engine's largest
+    graph of 256). With `fit_graphs` three join the next step and the fourth the step after, both replaying a
+    graph; without it all four join one step, which runs eagerly. Every request gets all its tokens either way."""
+    from workers.protocol import GenerateRequest, SamplingParams
+
+    info, _, tok = real
+    fox = tok.encode(PROMPTS[4]).ids
+    short = [[info.bos_token_id] + tok.encode(t).ids for t in PROMPTS[:4]]
+    long = [[info.bos_token_id] + tok.encode(f"Ticket {i}.").ids + fox[: 70] for i in range(4)]
+    got = {}
+    for fit in (True, False):
+        eng = _engine(real, True, True)
+        eng.fit_graphs = fit
+        assert eng.model.mixed_step_tokens == 256
+        toks = {}
+
+        def add(name, ids):
+            toks[name] = []
+            eng.add(GenerateRequest(request_id=name, prompt_ids=ids, max_tokens=24, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0.0)))
+
+        for i, ids in enumerate(short):
+            add(f"s{i}", ids)
+        for _ in range(3):  # prefilled, and decoding
+            for o in eng.step():
+                toks[o.request_id] += o.token_ids
+        before = dict(eng.model.step_kinds)
+        for i, ids in enumerate(long):
+            add(f"l{i}", ids)
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.token_ids
+        kinds = {k: v - before.get(k, 0) for k, v in eng.model.step_kinds.items()}
+        assert all(len(t) == 24 for t in toks.values()), {k: len(t) for k, t in toks.items()}
+        if fit:
+            assert kinds["eager"] == 0 and kinds["mixed"] >= 2, kinds
+        else:
+            assert kinds["eager"] >= 1, kinds
+        got[fit] = toks
+    assert {k: t[:4] for k, t in got[True].items()} == {k: t[:4] for k, t in got[False].items()}

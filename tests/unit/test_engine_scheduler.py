@@ -6,9 +6,9 @@ from workers.cupy.sequence import Sequence, SeqStatus
 BS = 4
 
 
-def step(sched: Scheduler, next_token=lambda seq: 1000 + seq.num_output):
+def step(sched: Scheduler, next_token=lambda seq: 1000 + seq.num_output, graph_tokens: int = 0):
     """Schedule, then do what the engine does after a forward pass: advance, register, sample, finish."""
-    scheduled = sched.schedule()
+    scheduled = sched.schedule(graph_tokens)
     for seq, n in scheduled:
         seq.num_computed += n
         sched.blocks.commit_full_blocks(seq)
@@ -111,3 +111,36 @@ def test_without_prefill_wait_an_arrival_joins_the_next_step():
     sched.add(Sequence("b", [4, 5], max_tokens=50))
     assert step(sched) == [("a", 1), ("b", 2)]
     assert sched.held_steps == 0
+
+
+def test_arrivals_beside_decodes_join_only_up_to_the_graph_and_the_rest_join_the_next_step():
+    sched = Scheduler(BlockManager(256, BS), max_num_seqs=16, max_step_tokens=64)
+    for i in range(4):
+        sched.add(Sequence(f"d{i}", [i] * 3, max_tokens=50))
+    assert step(sched, graph_tokens=16) == [(f"d{i}", 3) for i in range(4)]  # nothing running: the full budget
+    for i in range(5):  # five 3-token prompts arrive together beside 4 decodes: 19 tokens, past a 16-token graph
+        sched.add(Sequence(f"n{i}", [10 + i] * 3, max_tokens=50))
+    decodes = [(f"d{i}", 1) for i in range(4)]
+    assert step(sched, graph_tokens=16) == decodes + [("n0", 3), ("n1", 3), ("n2", 3), ("n3", 3)]
+    assert step(sched, graph_tokens=16) == decodes + [(f"n{i}", 1) for i in range(4)] + [("n4", 3)]
+    # without a graph to fit (a CPU model, mixed graphs off) all five join the one step, as before
+    plain = Scheduler(BlockManager(256, BS), max_num_seqs=16, max_step_tokens=64)
+    for i in range(4):
+        plain.add(Sequence(f"d{i}", [i] * 3, max_tokens=50))
+    step(plain)
+    for i in range(5):
+        plain.add(Sequence(f"n{i}", [10 + i] * 3, max_tokens=50))
+    assert step(plain) == decodes + [(f"n{i}", 3) for i in range(5)]
+
+
+def test_the_graph_cap_leaves_a_step_that_is_eager_anyway_and_a_running_prefill_alone():
+    sched = Scheduler(BlockManager(256, BS), max_num_seqs=16, max_step_tokens=64)
+    sched.add(Sequence("a", [1, 2, 3], max_tokens=50))
+    step(sched, graph_tokens=8)
+    sched.add(Sequence("long", list(range(100, 140)), max_tokens=5))
+    # a's decode (1) + the long prompt's first chunk, capped to the graph's 8 tokens: 7
+    assert step(sched, graph_tokens=8) == [("a", 1), ("long", 7)]
+    sched.add(Sequence("b", [7, 8], max_tokens=5))
+    # the running prefill takes what the budget allows (33 of its 40, past the graph: this step is eager), and
+    # b joins it at once: capping b would not save the step from running eagerly
+    assert step(sched, graph_tokens=8) == [("a", 1), ("long", 33), ("b", 2)]

@@ -77,6 +77,7 @@ def build_engine(config, profile, info, block_sink: BlockSink | None = None):
         eager = {} if cfg.cuda_graphs else {"graph_sizes": (), "verify_sizes": ()}  # every step launched eagerly
         engine = create_gpu_engine(info, weights, block_sink=block_sink, **sizes, **eager)
         engine.model.mixed_graphs = cfg.mixed_graphs
+        engine.fit_graphs = cfg.fit_graphs
     engine.device_name = device_name(xp)
     # the pipeline's stages step in an engine of their own (workers/pipeline); a CPU engine draws on the host
     # before the next step can start, so overlap only adds its bookkeeping there

@@ -74,6 +74,8 @@ class Engine:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
         # launch each step before reading the one before it (step()); the GPU engine's default
         self.overlap = overlap
+        # arrivals beside decodes join a step only up to the model's largest mixed graph (scheduler.py)
+        self.fit_graphs = True
         self._ahead: _Launched | None = None  # the step launched ahead, read by the next step() call
         # requests whose every step needs the host between steps (logprobs, penalties, a grammar): never ahead
         self._host_bound: set[str] = set()
@@ -152,7 +154,7 @@ class Engine:
         t0 = time.perf_counter()
         cur, self._ahead = self._ahead, None
         if cur is None:
-            scheduled = self.scheduler.schedule()
+            scheduled = self.scheduler.schedule(self._graph_tokens())
             if not scheduled:
                 self.blocks.flush_events()
                 return []
@@ -246,7 +248,7 @@ class Engine:
             self._finish(s, "length")  # its output comes with cur's read
         for s in going:
             s.token_ids.append(PENDING)
-        scheduled = sched.schedule()
+        scheduled = sched.schedule(self._graph_tokens())
         if not scheduled:
             return None
         nxt = self._launch(scheduled, (held[0], index))
@@ -360,6 +362,11 @@ class Engine:
                            cached if 0 <= cached <= prompt else (0 if cached < 0 else prompt), n_out,
                            seq.num_drafted, seq.num_accepted))
         return outputs
+
+    def _graph_tokens(self) -> int:
+        """The most tokens a step with prompt chunks can have and replay a graph (GPU models; 0: none do, or
+        `fit_graphs` is off: `workers.engine.fit_graphs`)."""
+        return getattr(self.model, "mixed_step_tokens", 0) if self.fit_graphs else 0
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

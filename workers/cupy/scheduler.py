@@ -17,6 +17,15 @@ when nothing is running (an idle engine never waits), when the step already carr
 sequence's prefill chunk: the step is eager anyway), and a preempted sequence (back at the front of the queue)
 is not held. The cost is up to W decode steps of time to
 first token for a request that arrives while others decode.
+
+Steps that fit a graph (`schedule(graph_tokens)`, the GPU model's mixed_step_tokens: its largest verify graph,
+512 tokens at a 256-sequence batch): a step carrying short prompt chunks beside decodes replays a verify graph
+when its tokens fit one (workers/cupy/gpu/verify.py). Closed-loop clients finish together and their next
+requests arrive together, so at a full batch one step could admit a dozen prompts at once, pass the largest
+graph and run eagerly (~5% of the steps past saturation on the H200, ~10% of the engine thread; BENCHMARKS.md,
+issue 25). While anything is running, waiting requests therefore join only up to the graph's tokens; the rest
+join the next step, a step later. A running sequence's own prefill chunks are not capped (a long prompt still
+makes its steps eager), nor is a step that nothing runs in (the first burst prefills at the full budget).
 """
 from __future__ import annotations
 
@@ -49,8 +58,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """This step's (sequence, number of new tokens); blocks for them are allocated."""
+    def schedule(self, graph_tokens: int = 0) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, number of new tokens); blocks for them are allocated.
+
+        `graph_tokens` (> 0: the model's mixed_step_tokens): while sequences are running, waiting requests join
+        only up to that many tokens in the step, so that a step of decodes and new prompts replays a graph instead
+        of running eagerly; the rest join the next step (module docstring)."""
         budget, scheduled = self.max_step_tokens, []
         self._preempted_now = 0
         self.steps += 1
@@ -70,6 +83,9 @@ class Scheduler:
             budget -= n
         if self._preempted_now == 0 and self.waiting:  # admitting now would only take from the preempted
             if self._admit_now(scheduled):
+                used = self.max_step_tokens - budget
+                if graph_tokens and scheduled and used < graph_tokens:  # past it the step is eager anyway
+                    budget = min(budget, graph_tokens - used)
                 self._admit(budget, scheduled)
             else:
                 self.held_steps += 1

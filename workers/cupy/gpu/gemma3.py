@@ -130,6 +130,12 @@ class GpuGemma3:
         self.mixed_graphs = True  # steps with prompt chunks replay the verify graphs where they fit (verify.py)
         self.step_kinds = dict.fromkeys(STEP_KINDS, 0)  # forwards by path, for benchmarks and stats
 
+    @property
+    def mixed_step_tokens(self) -> int:
+        """The most tokens a step carrying prompt chunks beside decodes can have and still replay a graph (the
+        largest verify graph); 0 when such steps run eagerly. The scheduler fills a decoding step only up to it."""
+        return self.verify_sizes[-1] if self.mixed_graphs and self.verify_sizes else 0
+
     @staticmethod
     def _rope_tables(cfg: Gemma3Config, n_pos: int) -> dict:
         """cos/sin per (base, scale) for every position, from the NumPy path's own function (float64 angles
