@@ -13,9 +13,9 @@ streams), `pulse-inproc` (a second `pulse serve` like `pulse`, its engine's step
 the A/B of prefill coalescing, workers/cupy/scheduler.py), `pulse-serial` (a second `pulse serve` like `pulse` with
 `workers.engine.overlap: off`: each engine step read before the next is launched), `pulse-eager` (a second `pulse
 serve` like `pulse` with `workers.engine.mixed_graphs: off`: a step that carries a prompt chunk launched eagerly
-instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-nofit` (a second `pulse serve` like
-`pulse` with `workers.engine.fit_graphs: off`: requests arriving beside decodes all join the next step, past the
-largest graph if many arrive together, workers/cupy/scheduler.py), `pulse-hold` (a second `pulse serve` like
+instead of replaying the verify graphs, workers/cupy/gpu/verify.py), `pulse-fit` (a second `pulse serve` like
+`pulse` with `workers.engine.fit_graphs: on`: requests arriving beside decodes join a step only up to the largest
+mixed graph's tokens, the rest a step later, workers/cupy/scheduler.py), `pulse-hold` (a second `pulse serve` like
 `pulse` whose engine holds step outputs 200 us a stream before handing them to the worker's streams,
 `workers.engine.handover_us_per_stream`; the default is 50), `pulse-q4` (a second `pulse serve` like `pulse` with
 `admission.worker_queue_max: 4`, the default before the h200 profile's `worker_queue: 128`: beside `pulse`, the A/B
@@ -217,8 +217,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     # pulse, pulse-k0 and pulse-k8 share one `pulse serve`; pulse-inproc has its own with the engine in the worker's
     # process, pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off,
-    # pulse-eager its own with mixed steps launched eagerly, pulse-nofit its own with arrivals not fitted to the
-    # graphs (workers.engine.fit_graphs off), pulse-hold its own with a 200 us hand-over hold,
+    # pulse-eager its own with mixed steps launched eagerly, pulse-fit its own with arrivals fitted to the graphs
+    # (workers.engine.fit_graphs on), pulse-hold its own with a 200 us hand-over hold,
     # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's)
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
@@ -230,8 +230,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("serial", args.engine_process, {}, {"overlap": "off"}, [t for t in args.targets if t == "pulse-serial"]),
             ("eager", args.engine_process, {}, {"mixed_graphs": False},
              [t for t in args.targets if t == "pulse-eager"]),
-            ("nofit", args.engine_process, queue, {"fit_graphs": False},
-             [t for t in args.targets if t == "pulse-nofit"]),
+            ("fit", args.engine_process, queue, {"fit_graphs": True},
+             [t for t in args.targets if t == "pulse-fit"]),
             ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
              [t for t in args.targets if t == "pulse-hold"]),
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"])):
@@ -296,7 +296,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
     ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
                     choices=["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                             "pulse-nofit", "pulse-hold", "pulse-q4", "llama"])
+                             "pulse-fit", "pulse-hold", "pulse-q4", "llama"])
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
             for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                          "pulse-nofit", "pulse-hold", "pulse-q4", "llama", "engine"):
+                          "pulse-fit", "pulse-hold", "pulse-q4", "llama", "engine"):
                 if other in args.targets and other != num:
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,

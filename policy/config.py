@@ -121,10 +121,11 @@ class EngineConfig(PulseModel):
                                "(requests arriving under load) replay the speculative verify steps' CUDA graphs "
                                "instead of launching every kernel from Python (GPU only, with cuda_graphs); off: "
                                "those steps run eagerly.")
-    fit_graphs: bool = Field(True, description="While sequences decode, requests waiting in the engine join a "
+    fit_graphs: bool = Field(False, description="While sequences decode, requests waiting in the engine join a "
                              "step only up to the largest mixed graph's tokens, the rest a step later, so that "
-                             "arrivals in a burst do not make the step run eagerly (GPU only, with mixed_graphs); "
-                             "off: as many join as the step's token budget allows.")
+                             "arrivals in a burst do not make the step run eagerly (GPU only, with mixed_graphs). "
+                             "Off by default: on the H200 it removed the eager steps but served no faster "
+                             "(BENCHMARKS.md, issue 25); off, as many join as the step's token budget allows.")
     prefill_wait_steps: int | None = Field(None, ge=0, description=(
         "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(

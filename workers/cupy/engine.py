@@ -74,8 +74,9 @@ class Engine:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, generated, prefilled) per step
         # launch each step before reading the one before it (step()); the GPU engine's default
         self.overlap = overlap
-        # arrivals beside decodes join a step only up to the model's largest mixed graph (scheduler.py)
-        self.fit_graphs = True
+        # arrivals beside decodes join a step only up to the model's largest mixed graph (scheduler.py); off by
+        # default (`workers.engine.fit_graphs`)
+        self.fit_graphs = False
         self._ahead: _Launched | None = None  # the step launched ahead, read by the next step() call
         # requests whose every step needs the host between steps (logprobs, penalties, a grammar): never ahead
         self._host_bound: set[str] = set()

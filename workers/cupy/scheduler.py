@@ -23,9 +23,11 @@ Steps that fit a graph (`schedule(graph_tokens)`, the GPU model's mixed_step_tok
 when its tokens fit one (workers/cupy/gpu/verify.py). Closed-loop clients finish together and their next
 requests arrive together, so at a full batch one step could admit a dozen prompts at once, pass the largest
 graph and run eagerly (~5% of the steps past saturation on the H200, ~10% of the engine thread; BENCHMARKS.md,
-issue 25). While anything is running, waiting requests therefore join only up to the graph's tokens; the rest
-join the next step, a step later. A running sequence's own prefill chunks are not capped (a long prompt still
-makes its steps eager), nor is a step that nothing runs in (the first burst prefills at the full budget).
+issue 25). With `workers.engine.fit_graphs`, while anything is running, waiting requests join only up to the
+graph's tokens; the rest join the next step, a step later. A running sequence's own prefill chunks are not capped
+(a long prompt still makes its steps eager), nor is a step that nothing runs in (the first burst prefills at the
+full budget). Off by default: served on the H200 it took the eager steps from 2-7% to 0 and served no faster, inside
+a +-15% spread (BENCHMARKS.md, issue 25, 2026-12-04 05:31 UTC).
 """
 from __future__ import annotations
 
