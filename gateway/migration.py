@@ -16,8 +16,12 @@ only, and only as far as llama.cpp's output does not depend on the batch it ran 
 `max_migrations` hand-overs per request. When no untried worker of the model is routable at that moment but
 one is known (unhealthy on its last poll, its circuit open, its llama-server restarting), the hand-over waits
 for it up to `wait_s` (server.migration_wait_s): the client cannot retry a stream it has half received. When
-none is possible the last batch is one error chunk, which the protocol writes as one in-band error event; with
-no other worker known at all (one worker) that is at once.
+every worker of the model has been tried (one worker: the single-box default), a worker tried before may take
+the stream back once, after the same wait for it to be routable: a killed worker actor that Ray restarts, or a
+worker whose engine process or llama-server it restarts, comes back in seconds, and the stream goes on there.
+Once only: a request that brought a worker down twice is not sent to it a third time (a query of death costs
+the others' streams one hand-over, not an endless loop). When none is possible the last batch is one error
+chunk, which the protocol writes as one in-band error event.
 
 The response's `x-pulse-worker` header names the worker the request was routed to (`first_worker`): a
 stream's headers have left before any hand-over, so a non-streamed answer names the same one. Each
@@ -62,6 +66,7 @@ class Relay:
         # int object alive: ~36 bytes a token, 1.2 MB for a 32k-token stream)
         self.delivered = array("i")
         self._tried = {ticket.worker.worker_id}
+        self._retried: set[str] = set()  # tried workers given the stream back once (_exclusion)
 
     def close(self) -> None:
         if self.ticket is not None:
@@ -115,7 +120,8 @@ class Relay:
             self.ticket = await self._open_elsewhere(follow_on)
         except APIError as e:
             return self._failed(f"{why} and no other worker could continue it", f"{broken}; {e.message}")
-        self._tried.add(self.ticket.worker.worker_id)
+        taken = self.ticket.worker.worker_id
+        (self._retried if taken in self._tried else self._tried).add(taken)
         self.metrics.migrated("resumed")
         tm.trace.get_current_span().add_event(EVENT_MIGRATED, {
             "pulse.worker.failed": failed, tm.PULSE_WORKER: self.ticket.worker.worker_id,
@@ -123,25 +129,31 @@ class Relay:
         return self.ticket.first, self.ticket.chunks
 
     async def _open_elsewhere(self, follow_on: GenerateRequest) -> Ticket:
-        """The continuation on an untried worker. While none is routable but one is known, wait for it (its next
-        poll may find it healthy again) up to `wait_s`, trying again each time one is routable; then the last
-        refusal stands."""
+        """The continuation on a worker _exclusion allows. While none is routable but one is known, wait for it
+        (its next poll may find it healthy again, a restarted worker at its new address) up to `wait_s`, trying
+        again each time one is routable; then the last refusal stands."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            await self._until_routable(follow_on, deadline)
+            exclude = self._exclusion(follow_on)
+            await self._until_routable(follow_on, exclude, deadline)
             try:
-                return await self.dispatcher.open(follow_on, exclude=self._tried)
+                return await self.dispatcher.open(follow_on, exclude=exclude)
             except APIError as e:
-                if e.status != 503 or not self.dispatcher.untried(follow_on, self._tried) \
+                if e.status != 503 or not self.dispatcher.untried(follow_on, exclude) \
                         or time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(WAIT_POLL_S)
 
-    async def _until_routable(self, gen: GenerateRequest, deadline: float) -> None:
-        """Return once an untried worker is routable, none is known, or `deadline` has passed."""
+    def _exclusion(self, gen: GenerateRequest) -> set[str]:
+        """The workers the continuation may not go to: every one tried, while a worker of the model not tried
+        yet is known; once none is, only those that already took the stream back once."""
+        return self._tried if self.dispatcher.untried(gen, self._tried) else self._retried
+
+    async def _until_routable(self, gen: GenerateRequest, exclude: set[str], deadline: float) -> None:
+        """Return once a worker not in `exclude` is routable, none is known, or `deadline` has passed."""
         while True:
             now = time.monotonic()
-            known = self.dispatcher.untried(gen, self._tried)
+            known = self.dispatcher.untried(gen, exclude)
             if not known or now >= deadline or any(w.routable(now) for w in known):
                 return
             await asyncio.sleep(WAIT_POLL_S)

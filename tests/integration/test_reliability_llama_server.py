@@ -1,10 +1,12 @@
 """llama-server killed under a real `pulse serve --backend llama-server` (real Ray, real gateway, the real
-binary and the bundled model): the client mid-stream gets one in-band SSE error event and the stream
-closes; the worker actor survives and its supervisor starts a new llama-server; the gateway serves again.
-Time to healthy is recorded. Skips where llama-server is not built (deploy/build_llama_server.sh).
+binary and the bundled model), one worker: the worker actor survives and its supervisor starts a new
+llama-server; the gateway serves again; the greedy stream that was cut waits for the new llama-server and goes
+on there (gateway/migration.py: the only worker takes a stream back once), to its last token and [DONE], with
+no error event. Time to healthy is recorded. Skips where llama-server is not built (deploy/build_llama_server.sh).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -23,7 +25,9 @@ pytestmark = pytest.mark.slow
 def llama_serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pulse-llama")
     config = serve_config(tmp, slots=2, kv_tokens=4096, threads=2,  # skips when llama-server is not built
-                          more="server:\n  drain_grace_s: 2\n")
+                          # the hand-over's wait for the new llama-server: generous, so a loaded CI box's
+                          # slow restart does not end the stream (the default is 15 s)
+                          more="server:\n  drain_grace_s: 2\n  migration_wait_s: 60\n")
     srv = PulseProcess([], config, tmp).wait_ready(300)
     yield srv
     srv.stop()
@@ -42,9 +46,14 @@ async def test_kill_llama_server_mid_stream(llama_serve):
                 os.kill(victim, signal.SIGKILL)
                 killed["t"] = time.monotonic()
 
-        body = dict(chat_body(400, content="Tell me a long story about the sea."), ignore_eos=True, temperature=0)
-        cut = await stream_chat(s, base, body, on_event=kill_at_5, timeout_s=120)
-        assert killed, f"the stream ended before it could be cut: {cut}"
+        body = dict(chat_body(400, content="Tell me a long story about the sea."), ignore_eos=True, temperature=0,
+                    stream_options={"include_usage": True})
+        cut_task = asyncio.create_task(stream_chat(s, base, body, on_event=kill_at_5, timeout_s=180))
+
+        async def was_killed() -> bool:
+            return bool(killed) or cut_task.done()
+
+        assert await wait_until(was_killed, 120) is not None and killed, "the stream ended before it could be cut"
 
         async def served() -> bool:
             h = await health(s, base)
@@ -54,11 +63,13 @@ async def test_kill_llama_server_mid_stream(llama_serve):
             return h == 200 and seen.status == 200 and seen.done
 
         to_healthy = await wait_until(served, 120, 0.2)
+        cut = await cut_task
         (new_worker_pid,) = listening_pids(port_of((await workers(s, base))[0]["url"]))
         new_llama = child_pids(new_worker_pid, "llama-server")
         idle = await settled_idle(s, base)
-    assert len(cut.error_events) == 1 and cut.error_events[0]["error"]["code"] == "worker_failed", cut
-    assert cut.closed and not cut.done and cut.ended - killed["t"] < 5, cut
+    # one whole stream: it went on on the new llama-server from the tokens already sent
+    assert cut.complete and cut.exception is None, (cut.error_events, cut.text[-80:])
+    assert cut.finish_reason == "length" and cut.usage["completion_tokens"] == 400, cut.usage
     assert to_healthy is not None, f"not serving within 120 s of the kill: {outage[-3:]}"
     assert new_worker_pid == worker_pid, "the worker actor itself should have survived"
     assert len(new_llama) == 1 and new_llama[0] != victim
@@ -66,8 +77,8 @@ async def test_kill_llama_server_mid_stream(llama_serve):
     assert all(status in (200, 503) for _, _, status, _ in outage), outage
     assert idle is not None
     record("kill_llama_server", {
-        "stream_saw": "1 SSE error event (worker_failed), then close",
-        "stream_closed_within_s": round(cut.ended - killed["t"], 3),
+        "stream_saw": "all 400 tokens and [DONE] (went on on the new llama-server)",
+        "stream_ended_s_after_kill": round(cut.ended - killed["t"], 3),
         "requests_until_served": len(outage), "their_answers": sorted({f"{o[2]} {o[3]}" for o in outage}),
         "health_seen": sorted({o[1] for o in outage}),
         "seconds_until_serving": round(to_healthy, 2),
