@@ -6,6 +6,8 @@
 - A real `pulse serve` (real Ray, the CPU engine, the bundled model) with two workers: one is SIGKILLed
   while a greedy stream is in flight; the official openai client sees one complete stream whose text and
   usage equal an undisturbed run's, and the gateway counts the hand-over in pulse_stream_migrations.
+- The same with one worker whose engine runs in a process of its own (as on a GPU box): the engine process is
+  SIGKILLed mid-stream, the worker starts another, and the stream goes back to that worker: the same text.
 """
 from __future__ import annotations
 
@@ -245,3 +247,64 @@ def test_llama_server_continues_a_greedy_generation(tmp_path):
     # a grammar cannot start mid-way on llama-server: refused before any output (the gateway's stream then
     # ends with its one error event)
     assert refused is not None and refused.status == 400 and refused.code == "cannot_resume"
+
+
+ONE_CONFIG = """
+model: {name: gemma-3-270m}
+workers:
+  backend: cupy
+  count: 1
+  engine: {device: cpu, kv_blocks: 256, max_num_seqs: 4, process: "on"}
+server:
+  drain_grace_s: 2
+  migration_wait_s: 60  # the hand-over's wait for the restarted engine: generous on a loaded CI box
+"""
+
+
+@pytest.fixture(scope="module")
+def one_engine_process(tmp_path_factory):
+    srv = PulseProcess([], ONE_CONFIG, tmp_path_factory.mktemp("pulse-one-engine")).wait_ready(300)
+    yield srv
+    srv.stop()
+
+
+def _engine_pid(base: str, worker: str) -> int:
+    """The worker's engine process (`workers.engine.process: on`): its one descendant running the engine."""
+    from bench.procs import descendants
+
+    pids = []
+    for child in descendants(asyncio.run(_pid_of(base, worker))):
+        try:
+            if b"workers.cupy.engine_process" in open(f"/proc/{child}/cmdline", "rb").read():
+                pids.append(child)
+        except OSError:
+            continue
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_the_only_workers_engine_killed_mid_stream_gives_one_complete_stream(one_engine_process):
+    """One worker (the single-box default), its engine in a process of its own, as on a GPU box: the engine
+    process is SIGKILLed mid-stream; the worker fails its streams and starts another engine process, and the
+    gateway hands the stream back to the same worker once it is healthy again (gateway/migration.py). The client
+    sees one stream with the undisturbed run's text and usage."""
+    base = one_engine_process.base
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=180, max_retries=0)
+    expected, finish, whole_usage, _ = _stream(client)
+    assert finish == "length" and whole_usage.completion_tokens == MAX_TOKENS and expected
+
+    killed: dict = {}
+
+    def kill_at_chunk(n: int, worker: str) -> None:
+        if n == 8 and not killed:
+            killed["pid"], killed["worker"] = _engine_pid(base, worker), worker
+            os.kill(killed["pid"], signal.SIGKILL)
+
+    before = _migrations(base)
+    text, finish, usage, worker = _stream(client, kill_at_chunk)
+    assert killed.get("worker") == worker, f"the stream ended before its engine could be killed: {killed}"
+    assert text == expected
+    assert finish == "length"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
+    assert _migrations(base) == before + 1
+    assert _engine_pid(base, worker) != killed["pid"]
