@@ -110,10 +110,10 @@ def _kill(base: str, worker: str, killed: dict) -> None:
     killed["worker"] = worker
 
 
-def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
-    base = two_engines.base
-    _wait_both_serving(base)
-    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+def _one_stream_despite(base: str, kill) -> dict:
+    """An undisturbed greedy stream, then the same request with `kill(worker, killed)` called at its 8th chunk:
+    the second gets the first's text, finish reason and usage, after one hand-over. Returns what `kill` noted."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=180, max_retries=0)
     expected, finish, whole_usage, _ = _stream(client)
     assert finish == "length" and whole_usage.completion_tokens == MAX_TOKENS and expected
 
@@ -121,15 +121,22 @@ def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
 
     def kill_at_chunk(n: int, worker: str) -> None:
         if n == 8 and not killed:
-            _kill(base, worker, killed)
+            kill(worker, killed)
 
     before = _migrations(base)
     text, finish, usage, worker = _stream(client, kill_at_chunk)
-    assert killed.get("worker") == worker, f"the stream ended before its worker could be killed: {killed}"
+    assert killed.get("worker") == worker, f"the stream ended before the kill: {killed}"
     assert text == expected
     assert finish == "length"
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
     assert _migrations(base) == before + 1
+    return killed
+
+
+def test_killed_worker_mid_stream_gives_one_complete_stream(two_engines):
+    base = two_engines.base
+    _wait_both_serving(base)
+    _one_stream_despite(base, lambda worker, killed: _kill(base, worker, killed))
 
 
 def test_anthropic_stream_survives_a_killed_worker(two_engines):
@@ -289,22 +296,10 @@ def test_the_only_workers_engine_killed_mid_stream_gives_one_complete_stream(one
     gateway hands the stream back to the same worker once it is healthy again (gateway/migration.py). The client
     sees one stream with the undisturbed run's text and usage."""
     base = one_engine_process.base
-    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=180, max_retries=0)
-    expected, finish, whole_usage, _ = _stream(client)
-    assert finish == "length" and whole_usage.completion_tokens == MAX_TOKENS and expected
 
-    killed: dict = {}
+    def kill_engine(worker: str, killed: dict) -> None:
+        killed["pid"], killed["worker"] = _engine_pid(base, worker), worker
+        os.kill(killed["pid"], signal.SIGKILL)
 
-    def kill_at_chunk(n: int, worker: str) -> None:
-        if n == 8 and not killed:
-            killed["pid"], killed["worker"] = _engine_pid(base, worker), worker
-            os.kill(killed["pid"], signal.SIGKILL)
-
-    before = _migrations(base)
-    text, finish, usage, worker = _stream(client, kill_at_chunk)
-    assert killed.get("worker") == worker, f"the stream ended before its engine could be killed: {killed}"
-    assert text == expected
-    assert finish == "length"
-    assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
-    assert _migrations(base) == before + 1
-    assert _engine_pid(base, worker) != killed["pid"]
+    killed = _one_stream_despite(base, kill_engine)
+    assert _engine_pid(base, killed["worker"]) != killed["pid"]

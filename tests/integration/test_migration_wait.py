@@ -61,6 +61,21 @@ def _migrations(dispatcher, outcome: str) -> float:
     return registry.get_sample_value("pulse_stream_migrations_total", {"outcome": outcome}) or 0.0
 
 
+async def _held_until_back_then_whole(server: StreamServer, pool, dispatcher, relay, task, chunks) -> None:
+    """The cut stream is still open a second later; once `server` is healthy again (undrained, polled) it goes on
+    there: every token once, in order, one hand-over."""
+    await asyncio.sleep(1.0)
+    assert not task.done(), f"the stream ended while a known worker could still come back: {chunks[-1:]}"
+    server.draining = False
+    await pool.poll_once()
+    await asyncio.wait_for(task, 10)
+    relay.close()
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == [1000 + i for i in range(TOKENS)]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == TOKENS
+    assert relay.migrations == 1 and _migrations(dispatcher, "resumed") == 1
+
+
 async def test_the_hand_over_waits_for_a_known_worker_and_goes_on_there_when_it_is_healthy_again():
     servers, pool, _index, dispatcher = await start_dispatch(CONFIG, 2)
     try:
@@ -68,16 +83,7 @@ async def test_the_hand_over_waits_for_a_known_worker_and_goes_on_there_when_it_
         await pool.poll_once()
         assert [w.worker_id for w in pool.routable()] == ["w0"]
         relay, task, chunks, _ = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=30)
-        await asyncio.sleep(1.0)
-        assert not task.done(), f"the stream ended while a known worker could still come back: {chunks[-1:]}"
-        servers[1].draining = False
-        await pool.poll_once()
-        await asyncio.wait_for(task, 10)
-        relay.close()
-        tokens = [t for c in chunks for t in c.token_ids]
-        assert tokens == [1000 + i for i in range(TOKENS)]
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == TOKENS
-        assert relay.migrations == 1 and _migrations(dispatcher, "resumed") == 1
+        await _held_until_back_then_whole(servers[1], pool, dispatcher, relay, task, chunks)
     finally:
         await stop_dispatch(servers, pool)
 
@@ -107,16 +113,7 @@ async def test_with_one_worker_the_stream_waits_for_it_to_come_back_and_goes_on_
 
         relay, task, chunks, _ = await _stream_cut_after_5(servers, pool, dispatcher, wait_s=30,
                                                            before_cut=restarting)
-        await asyncio.sleep(1.0)
-        assert not task.done(), f"the stream ended while its only worker could still come back: {chunks[-1:]}"
-        servers[0].draining = False
-        await pool.poll_once()
-        await asyncio.wait_for(task, 10)
-        relay.close()
-        tokens = [t for c in chunks for t in c.token_ids]
-        assert tokens == [1000 + i for i in range(TOKENS)]
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == TOKENS
-        assert relay.migrations == 1 and _migrations(dispatcher, "resumed") == 1
+        await _held_until_back_then_whole(servers[0], pool, dispatcher, relay, task, chunks)
     finally:
         await stop_dispatch(servers, pool)
 
