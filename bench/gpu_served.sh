@@ -42,7 +42,8 @@ targets=${TARGETS:-pulse pulse-k0 llama}
 if [[ $targets == *llama* && $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
   echo "no llama-server build: Pulse only"; targets=${targets/llama/}
 fi
-timeout "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
+# SIGINT at the limit: bench/served.py stops its servers and still summarizes the runs that ended (SIGKILL 40 s later)
+timeout --signal=INT -k 40 "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
   --device cuda --profile h200 --targets $targets --workloads "$workload" --out "$res" --quiet \
   ${SERVED_ARGS:---clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 3 --warmup 1 --duration 15 --timeout 60} \
   2>&1 | tail -40

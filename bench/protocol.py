@@ -89,13 +89,16 @@ def by_repeat(records: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Metri
 
 
 async def run(
-    measures: Mapping[str, Measure], repeats: int = MIN_REPEATS, warmup: int = 2, progress: bool = True
+    measures: Mapping[str, Measure], repeats: int = MIN_REPEATS, warmup: int = 2, progress: bool = True,
+    records: list | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the schedule; returns every record, warm-up included (marked), in the order run."""
+    """Run the schedule; returns every record, warm-up included (marked), in the order run. `records`: the list
+    to append them to as each run ends, so that a caller whose run is cut short (a device call's time limit)
+    still has the finished ones."""
     if repeats < MIN_REPEATS:
         print(f"warning: {repeats} repeats is below the protocol's {MIN_REPEATS}", file=sys.stderr)
     steps = schedule(list(measures), repeats, warmup)
-    records = []
+    records = [] if records is None else records
     bar = _progress(len(steps), progress)
     for step in steps:
         bar.set_description(f"{step.phase} {step.repeat + 1} {step.config}")

@@ -377,12 +377,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         salt, partial = counter(), log_dir / "records.jsonl"
         measures = {config_name(t, w, s, c): make_measure(args, *bases[t], t, w, s, c, salt, partial)
                     for w in args.workloads for s in args.sampling for c in args.clients for t in args.targets}
-        records = loops.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet), args.loop)
+        records: list = []
+        try:
+            loops.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet, records), args.loop)
+            interrupted = None
+        except KeyboardInterrupt:  # SIGINT: bench/gpu_served.sh's time limit; summarize the runs that ended
+            interrupted = f"interrupted after {len(records)} of {len(measures) * (args.repeats + args.warmup)} runs"
+            print(interrupted, file=sys.stderr)
     summary = protocol.summarize(records)
-    if args.engine_alone:
+    if args.engine_alone and not interrupted:
         summary.update(engine_alone(args, log_dir))
         args.targets = [*args.targets, "engine"]
-    verdict = [pivot(summary, args), ""]
+    verdict = [pivot(summary, args), ""] + ([f"{interrupted}: cells with no measured run are missing", ""]
+                                           if interrupted else [])
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
             for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",

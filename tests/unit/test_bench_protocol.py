@@ -126,3 +126,22 @@ def test_loops_choose_uvloop_like_ray_unless_asked_for_asyncio():
     assert loops.run(asyncio.sleep(0, result=7), "uvloop") == 7
     with pytest.raises(ValueError):
         loops.new_loop("trio")
+
+
+def test_a_run_cut_short_keeps_the_records_of_the_runs_that_ended():
+    import asyncio
+
+    calls = []
+
+    async def measure():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a time limit's SIGINT becomes in the benchmark's loop
+        return {"tok_s": float(len(calls))}
+
+    records: list = []
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(protocol.run({"A": measure, "B": measure}, repeats=2, warmup=1, progress=False, records=records))
+    assert [(r["phase"], r["config"], r["metrics"]["tok_s"]) for r in records] == [("warmup", "A", 1.0),
+                                                                                  ("warmup", "B", 2.0)]
+    assert protocol.summarize(records) == {}  # no measured run ended: nothing to summarize, and no error
