@@ -35,8 +35,9 @@ every run's result is appended to records.jsonl in the log folder as it lands. M
 tokens over the run's wall time), TTFT p50 / p99, and for Pulse's GPU engine `eager_share`: the run's engine
 forwards that ran eagerly (a step no CUDA graph fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs
 off) over all its forwards, from the workers' `forwards_by_path`, `batch_mean` (decoding sequences per forward:
-whether the batch stays full past saturation) and `steps_per_s` (forwards over the run's wall time: whether the
-steps slowed). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a
+whether the batch stays full past saturation), `steps_per_s` (forwards over the run's wall time: whether the
+steps slowed) and `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step
+thread, over the run's wall time). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a
 Markdown table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
 batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling the
@@ -62,8 +63,9 @@ from bench.speculation import EDITS, SOURCES, edit_prompt
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
 TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "eager_share", "batch_mean", "steps_per_s",
-                 "client_cpu"]
+                 "gc_share", "client_cpu"]
 SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps beside the forwards by path
+GC_SECONDS = "_gc_seconds"  # forwards()' key for the seconds the engines' processes spent in garbage collection
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
@@ -130,11 +132,14 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             after = await asyncio.to_thread(forwards, base)
             delta = {k: after.get(k, 0) - v for k, v in before.items()}
             seq_steps = delta.pop(SEQ_STEPS, 0)
+            gc_s = delta.pop(GC_SECONDS, 0.0)
             total = sum(delta.values())
             m["forwards"], m["eager_share"] = total, (delta.get("eager", 0) / total if total > 0 else None)
             # past saturation: is the engine's batch kept full (decoding sequences a step) and how fast does it step
             m["batch_mean"] = seq_steps / total if total > 0 and seq_steps else None
             m["steps_per_s"] = total / m["wall_s"] if m.get("wall_s") else None
+            # the share of the run's wall time the engines' processes spent collecting garbage (every thread stopped)
+            m["gc_share"] = gc_s / m["wall_s"] if m.get("wall_s") else None
         with partial.open("a") as f:
             f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
         print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}, "
@@ -162,6 +167,7 @@ def forwards(base: str) -> dict[str, int]:
             total[path] = total.get(path, 0) + n
         if stats.get("forwards_by_path"):
             total[SEQ_STEPS] = total.get(SEQ_STEPS, 0) + sum(stats.get("steps_by_k") or ())
+            total[GC_SECONDS] = total.get(GC_SECONDS, 0.0) + (stats.get("gc_seconds") or 0.0)
     return total
 
 

@@ -78,11 +78,11 @@ def test_forwards_sums_paths_and_decoding_sequence_steps_over_gpu_workers():
     import json
     import threading
 
-    from bench.served import SEQ_STEPS, forwards
+    from bench.served import GC_SECONDS, SEQ_STEPS, forwards
 
     workers = {"workers": [
-        {"stats": {"forwards_by_path": {"graph": 10, "eager": 2}, "steps_by_k": [30, 4, 2]}},
-        {"stats": {"forwards_by_path": {"graph": 5}, "steps_by_k": [7]}},
+        {"stats": {"forwards_by_path": {"graph": 10, "eager": 2}, "steps_by_k": [30, 4, 2], "gc_seconds": 0.25}},
+        {"stats": {"forwards_by_path": {"graph": 5}, "steps_by_k": [7], "gc_seconds": 0.5}},
         {"stats": {"tokens_per_s": 1.0}},  # llama-server: no forwards, its steps are not counted
     ]}
 
@@ -105,4 +105,4 @@ def test_forwards_sums_paths_and_decoding_sequence_steps_over_gpu_workers():
     finally:
         srv.shutdown()
         srv.server_close()
-    assert got == {"graph": 15, "eager": 2, SEQ_STEPS: 43}
+    assert got == {"graph": 15, "eager": 2, SEQ_STEPS: 43, GC_SECONDS: 0.75}

@@ -60,3 +60,17 @@ def test_a_first_token_goes_at_once_alone_and_the_held_outputs_stay_held_in_orde
         tokens.setdefault(out.request_id, []).extend(out.token_ids)
     assert tokens["r0"] == [1, 2, 3, 4] and tokens["r63"] == [1, 2, 3, 4]
     assert tokens["new"] == [3, 4]  # its first token (2) went ahead, alone
+
+
+def test_the_gc_clock_counts_the_collectors_time_in_this_process():
+    import gc
+
+    from workers.cupy.engine_loop import GcClock
+
+    clock = GcClock.installed()
+    assert GcClock.installed() is clock and gc.callbacks.count(clock._callback) == 1  # one per process
+    before = clock.seconds
+    junk = [[i] for i in range(200_000)]  # something for a full collection to walk
+    gc.collect()
+    del junk
+    assert clock.seconds > before

@@ -11,8 +11,10 @@ every step left the engine waiting for the event loop. A request's first token i
 """
 from __future__ import annotations
 
+import gc
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -31,6 +33,34 @@ STOP = object()
 # served on the H200 at temperature 1, 200 us gave 0.81x of 50 us at 64 clients and 0.91x at 256, 1.01-1.02x at
 # 512-1,000, and 429s at 1,000 (BENCHMARKS.md, issue 25, 2026-12-03).
 HANDOVER_S_PER_STREAM = 50e-6
+
+
+class GcClock:
+    """Seconds the cyclic garbage collector has run in this process (gc.callbacks), for the engine's stats: a
+    collection stops every thread, the engine's step thread included, and py-spy counts its time in whatever frame
+    allocated (BENCHMARKS.md, issue 25: `append_tokens` at ~2.4 us a sequence a step on the H200 against ~0.4 us in
+    bench/step_host.py's emit part). One per process, installed by the first EngineLoop."""
+
+    _installed: GcClock | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._started = 0.0
+
+    @classmethod
+    def installed(cls) -> GcClock:
+        with cls._lock:
+            if cls._installed is None:
+                cls._installed = cls()
+                gc.callbacks.append(cls._installed._callback)
+            return cls._installed
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def handover_due(held_s: float, streams: int, per_stream_s: float = HANDOVER_S_PER_STREAM) -> bool:
@@ -55,6 +85,7 @@ class EngineLoop:
         self._outbox: list = []  # step outputs not handed over yet
         self._fresh: set[str] = set()  # requests added with no output handed over yet
         self._handed_at = 0.0
+        GcClock.installed()
 
     def run(self) -> None:
         eng = self.engine
@@ -195,4 +226,5 @@ def engine_snapshot(eng) -> dict:
         "prefill_tokens_per_s": prefill, "preemptions": eng.scheduler.preemptions,
         "forwards_by_path": dict(getattr(eng.model, "step_kinds", None) or {}),
         "steps_ahead": getattr(eng, "steps_ahead", 0),
+        "gc_seconds": GcClock.installed().seconds,
     }
