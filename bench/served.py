@@ -20,7 +20,9 @@ mixed graph's tokens, the rest a step later, workers/cupy/scheduler.py), `pulse-
 `workers.engine.handover_us_per_stream`; the default is 50), `pulse-q4` (a second `pulse serve` like `pulse` with
 `admission.worker_queue_max: 4`, the default before the h200 profile's `worker_queue: 128`: beside `pulse`, the A/B
 of letting the worker hold requests beyond its batch, so that a finished sequence's place is refilled inside the
-engine rather than after the gateway hears of the end; `--worker-queue N` sets `pulse`'s), `llama` (llama-server
+engine rather than after the gateway hears of the end; `--worker-queue N` sets `pulse`'s), `pulse-bN` (e.g.
+`pulse-b192`: a second `pulse serve` like `pulse` whose engine runs at most N sequences a step, `max_num_seqs: N`;
+with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `llama` (llama-server
 started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads: `story` (a distinct
 short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it, distinct per
 request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and `t1`
@@ -37,8 +39,9 @@ forwards that ran eagerly (a step no CUDA graph fits: a long prompt, or any prom
 off) over all its forwards, from the workers' `forwards_by_path`, `batch_mean` (decoding sequences per forward:
 whether the batch stays full past saturation), `steps_per_s` (forwards over the run's wall time: whether the
 steps slowed) and `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step
-thread, over the run's wall time). Every configuration runs once per repeat, interleaved and rotated (bench/protocol.py); JSON, a
-Markdown table and a PNG go to --out, and the pivot table (one row per workload x sampling x clients) is printed.
+thread, over the run's wall time). Every configuration runs once per repeat, interleaved and rotated
+(bench/protocol.py); JSON, a Markdown table and a PNG go to --out, and the pivot table (one row per workload x
+sampling x clients) is printed.
 `--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
 batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling the
 served path is measured against (`pulse/engine`).
@@ -49,6 +52,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -186,8 +190,8 @@ def pulse_config(args, port: int, log_dir: Path, process: str = "auto", name: st
     prefill_wait_steps)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
            "workers": {"backend": "cupy", "count": 1,
-                       "engine": {"device": args.device, "process": process, **engine,
-                                  **({} if args.profile_batch else {"max_num_seqs": max(args.clients)})}},
+                       "engine": {"device": args.device, "process": process,
+                                  **({} if args.profile_batch else {"max_num_seqs": max(args.clients)}), **engine}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
     if admission:
         cfg["admission"] = admission
@@ -225,7 +229,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     # process, pulse-w0 its own without prefill coalescing, pulse-serial its own with the engine's overlap off,
     # pulse-eager its own with mixed steps launched eagerly, pulse-fit its own with arrivals fitted to the graphs
     # (workers.engine.fit_graphs on), pulse-hold its own with a 200 us hand-over hold,
-    # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's)
+    # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's), each pulse-bN its
+    # own with a batch of N (and pulse's worker queue)
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
             (args.engine_process, args.engine_process, queue,
@@ -240,7 +245,9 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
              [t for t in args.targets if t == "pulse-fit"]),
             ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
              [t for t in args.targets if t == "pulse-hold"]),
-            ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"])):
+            ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"]),
+            *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
+              for t in args.targets if batch_of(t))):
         if not targets:
             continue
         port = free_port()
@@ -296,13 +303,28 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
     return out
 
 
+TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
+           "pulse-hold", "pulse-q4", "llama"]
+
+
+def batch_of(target: str) -> int | None:
+    """N for a `pulse-bN` target (its engine's max_num_seqs), else None."""
+    m = re.fullmatch(r"pulse-b([1-9][0-9]*)", target)
+    return int(m.group(1)) if m else None
+
+
+def target_name(value: str) -> str:
+    if value in TARGETS or batch_of(value):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown target {value!r} (one of {', '.join(TARGETS)}, or pulse-bN)")
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.served", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF file (llama-server needs one); empty: Pulse's bundled model")
     ap.add_argument("--llama-server", help="llama-server binary for the `llama` target")
-    ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"],
-                    choices=["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                             "pulse-fit", "pulse-hold", "pulse-q4", "llama"])
+    ap.add_argument("--targets", nargs="+", default=["pulse", "pulse-k0", "llama"], type=target_name, help=(
+        f"{', '.join(TARGETS)}, or pulse-bN (a batch of N): the module's docstring"))
     ap.add_argument("--workloads", nargs="+", default=["story", "code", "json"], choices=["story", "code", "json"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "t1"], choices=list(SAMPLING))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -398,9 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            if interrupted else [])
     for num in ("pulse", "pulse-k0"):
         if num in args.targets:
-            for other in ("pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager",
-                          "pulse-fit", "pulse-hold", "pulse-q4", "llama", "engine"):
-                if other in args.targets and other != num:
+            for other in args.targets:
+                if other not in (num, "pulse"):
                     verdict += ratios(summary, args, num, other)
     protocol.publish("served", records, summary, vars(args), started, machine, verdict, TABLE_METRICS,
                      PLOT_METRICS, args.out)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.served import _parse, body_extra, config_name, pivot, prompts, pulse_config
+from bench.served import _parse, batch_of, body_extra, config_name, pivot, prompts, pulse_config
 from pulse.config import load_config
 
 
@@ -29,6 +29,23 @@ def test_worker_queue_reaches_the_served_config_and_pulse_q4_sets_4(tmp_path):
     plain = load_config(pulse_config(args, 8125, tmp_path, "on", "plain"))
     assert (main.admission.worker_queue_max, q4.admission.worker_queue_max) == (128, 4)
     assert plain.admission.worker_queue_max is None  # nothing set: the worker's profile decides
+
+
+def test_a_pulse_bn_target_runs_its_engine_at_a_batch_of_n_and_others_are_refused(tmp_path, capsys):
+    args = _parse(["--targets", "pulse", "pulse-b192", "--profile-batch", "--clients", "1000"])
+    assert args.targets == ["pulse", "pulse-b192"] and batch_of("pulse-b192") == 192
+    b192 = load_config(pulse_config(args, 8126, tmp_path, "on", "b192", {}, max_num_seqs=batch_of("pulse-b192")))
+    assert b192.workers.engine.max_num_seqs == 192
+    # without --profile-batch the batch is the largest client count, unless the target sets its own
+    args = _parse(["--targets", "pulse", "pulse-b192", "--clients", "1000"])
+    def batch(**engine):
+        return load_config(pulse_config(args, 8127, tmp_path, "on", "x", {}, **engine)).workers.engine.max_num_seqs
+
+    assert (batch(max_num_seqs=192), batch()) == (192, 1000)
+    for bad in ("pulse-b0", "pulse-bx", "pulse-b"):
+        with pytest.raises(SystemExit):
+            _parse(["--targets", bad])
+        assert "unknown target" in capsys.readouterr().err
 
 
 def test_pivot_has_a_row_per_cell_and_a_column_group_per_target():
