@@ -22,7 +22,9 @@ mixed graph's tokens, the rest a step later, workers/cupy/scheduler.py), `pulse-
 of letting the worker hold requests beyond its batch, so that a finished sequence's place is refilled inside the
 engine rather than after the gateway hears of the end; `--worker-queue N` sets `pulse`'s), `pulse-bN` (e.g.
 `pulse-b192`: a second `pulse serve` like `pulse` whose engine runs at most N sequences a step, `max_num_seqs: N`;
-with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `llama` (llama-server
+with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `pulse-pygc` (a second `pulse
+serve` like `pulse` whose engine process keeps Python's garbage collector as it is, `workers.engine.quiet_gc: off`:
+the A/B of freezing the built engine out of collections), `llama` (llama-server
 started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads: `story` (a distinct
 short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it, distinct per
 request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and `t1`
@@ -230,7 +232,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     # pulse-eager its own with mixed steps launched eagerly, pulse-fit its own with arrivals fitted to the graphs
     # (workers.engine.fit_graphs on), pulse-hold its own with a 200 us hand-over hold,
     # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's), each pulse-bN its
-    # own with a batch of N (and pulse's worker queue)
+    # own with a batch of N (and pulse's worker queue), pulse-pygc its own with Python's collector as it is
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
             (args.engine_process, args.engine_process, queue,
@@ -246,6 +248,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
              [t for t in args.targets if t == "pulse-hold"]),
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"]),
+            ("pygc", args.engine_process, queue, {"quiet_gc": False}, [t for t in args.targets if t == "pulse-pygc"]),
             *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
               for t in args.targets if batch_of(t))):
         if not targets:
@@ -304,7 +307,7 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
 
 
 TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
-           "pulse-hold", "pulse-q4", "llama"]
+           "pulse-hold", "pulse-q4", "pulse-pygc", "llama"]
 
 
 def batch_of(target: str) -> int | None:

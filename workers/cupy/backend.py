@@ -195,7 +195,7 @@ class EngineBackend(Backend):
         from workers.cupy.engine_process import EngineProcess
 
         spec = {"builder": self.engine_builder, "args": self.engine_builder_args(),
-                "hold_s_per_stream": self.hold_s_per_stream}
+                "hold_s_per_stream": self.hold_s_per_stream, "quiet_gc": self._engine_cfg.quiet_gc}
         proc = EngineProcess(spec, on_message=self._on_engine_message, on_lost=self._on_engine_lost)
         self.device = await asyncio.to_thread(proc.start)
         self._proc = proc

@@ -65,6 +65,27 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
 
 
+# Young collections in an engine process with quiet_gc: one per this many container allocations (Python's default is
+# 700: at 256 sequences, one every step or two, which promotes the step outputs held for a hand-over and so brings on
+# whole-heap collections).
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def quiet_gc(young: int = GC_YOUNG_THRESHOLD) -> None:
+    """Garbage collection for a process that steps an engine (`workers.engine.quiet_gc`, on by default): what exists
+    once the engine is built (the KV pools' block objects, the model, imported modules) is collected once and then
+    frozen out of every later collection (gc.freeze), and young collections run every `young` allocations instead
+    of every 700. Served on the H200 without it, the engine process spent 6-12% of its wall time collecting, more as
+    the batch grew (256 against 192) and as the server aged (bench/served.py's gc_share; BENCHMARKS.md, issue 25):
+    each whole-heap collection walked every block of the KV pools while the step thread waited. Objects made after
+    the freeze are collected as before; frozen ones that become garbage are only freed with their process (they live
+    as long as the engine does)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(young, middle, old)
+
+
 def handover_due(held_s: float, streams: int, per_stream_s: float = HANDOVER_S_PER_STREAM) -> bool:
     """Whether the step thread hands its held outputs over now: once they have been held (`held_s`: since the
     last hand-over) `per_stream_s` per stream in the step (a step with no outputs: at once). A request's
@@ -229,4 +250,5 @@ def engine_snapshot(eng) -> dict:
         "forwards_by_path": dict(getattr(eng.model, "step_kinds", None) or {}),
         "steps_ahead": getattr(eng, "steps_ahead", 0),
         "gc_seconds": GcClock.installed().seconds,
+        "gc_frozen": gc.get_freeze_count(),
     }

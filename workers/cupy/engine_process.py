@@ -150,7 +150,10 @@ def main(fd: int) -> None:
         log.exception("engine build failed")
         send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    from workers.cupy.engine_loop import STOP, EngineLoop, engine_snapshot
+    from workers.cupy.engine_loop import STOP, EngineLoop, engine_snapshot, quiet_gc
+
+    if spec.get("quiet_gc"):
+        quiet_gc()  # the engine as built is frozen out of every collection from now on
 
     encode = msgspec.msgpack.Encoder().encode
     core = EngineLoop(engine, emit=lambda outputs: send(("out", encode(outputs))),
