@@ -55,6 +55,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -386,7 +387,11 @@ def engine_alone(args, log_dir: Path) -> dict:
     argv += ["--profile", args.profile] if args.profile else []
     argv += [] if "pulse" in args.targets else ["--no-speculation"]  # like for like with pulse-k0 alone
     argv += ["--arrivals", "staggered"] if args.stagger > 0 else []  # spread arrivals there too
-    subprocess.run(argv, check=True, cwd=REPO)
+    # SIGINT (the time limit) stops it as it would have stopped this process: served.py ignores SIGINT by now
+    done = subprocess.run(argv, cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    if done.returncode != 0:
+        print(f"the engine alone stopped with exit code {done.returncode}: no engine column", file=sys.stderr)
+        return {}
     cells = json.loads(out.read_text())["cells"]
     out = {}
     for s in args.sampling:
@@ -415,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # SIGINT: bench/gpu_served.sh's time limit; summarize the runs that ended
             interrupted = f"interrupted after {len(records)} of {len(measures) * (args.repeats + args.warmup)} runs"
             print(interrupted, file=sys.stderr)
+        # the runs are over: a SIGINT now (the time limit reached while the servers stop) would lose the summary of
+        # every run (2026-12-04 on the H200: all 36 runs of a call measured, no table); `timeout -k` still kills
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     summary = protocol.summarize(records)
     if args.engine_alone and not interrupted:
         summary.update(engine_alone(args, log_dir))
