@@ -28,6 +28,12 @@
 #   TARGETS="pulse pulse-q4" SERVED_ARGS="--clients 256 512 1000 --sampling t1 --per-client 4 --repeats 2
 #     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=320
 #     bash bench/gpu_served.sh story
+# The engine process's garbage collection, workers.engine.quiet_gc (on) against Python's defaults (pulse-pygc), past
+# saturation (issue 25; on a freshly started machine the first server's start also compiles the kernels, so leave
+# ~3 min for the two starts):
+#   TARGETS="pulse pulse-pygc" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
+#     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=480
+#     bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
