@@ -39,9 +39,10 @@ class GcClock:
     """Seconds the cyclic garbage collector has run in this process (gc.callbacks), for the engine's stats: a
     collection stops every thread, the engine's step thread included, and py-spy counts its time in whatever frame
     allocated. Asked by issue 25's profile (`append_tokens` at ~2.4 us a sequence a step on the H200 against ~0.4 us
-    in bench/step_host.py's emit part); on the 2-core box the whole host step at 256 sequences (step_host's
-    `whole_step`, 2 arrivals a step) spent 0.3-0.4% of its time collecting, with or without a million long-lived
-    objects in the heap, frozen or not. One per process, installed by the first EngineLoop."""
+    in bench/step_host.py's emit part). bench/step_host.py's bare step (no hand-overs) spent 0.3-0.4% of its time
+    collecting; with EngineLoop's held hand-overs (bench/engine_gc.py) Python's defaults took 21% at 256 sequences on
+    the 2-core box, and served on the H200 6-13% (quiet_gc, below). One per process, installed by the first
+    EngineLoop."""
 
     _installed: GcClock | None = None
     _lock = threading.Lock()
@@ -65,19 +66,20 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
 
 
-# Young collections in an engine process with quiet_gc: one per this many container allocations (Python's default is
-# 700: at 256 sequences, one every step or two, which promotes the step outputs held for a hand-over and so brings on
-# whole-heap collections).
+# Young collections in an engine process with quiet_gc: one once this many more container objects were made than freed
+# (Python's default is 700: at 256 sequences one about every step, which promotes the step outputs held for a hand-over
+# and so brings on whole-heap collections, ~5 a second in bench/engine_gc.py).
 GC_YOUNG_THRESHOLD = 20_000
 
 
 def quiet_gc(young: int = GC_YOUNG_THRESHOLD) -> None:
     """Garbage collection for a process that steps an engine (`workers.engine.quiet_gc`, on by default): what exists
     once the engine is built (the KV pools' block objects, the model, imported modules) is collected once and then
-    frozen out of every later collection (gc.freeze), and young collections run every `young` allocations instead
-    of every 700. Served on the H200 without it, the engine process spent 6-12% of its wall time collecting, more as
+    frozen out of every later collection (gc.freeze), and a young collection waits until `young` more container
+    objects have been made than freed (Python's default: 700). Served on the H200 without it, the engine process spent 6-13% of its wall time collecting, more as
     the batch grew (256 against 192) and as the server aged (bench/served.py's gc_share; BENCHMARKS.md, issue 25):
-    each whole-heap collection walked every block of the KV pools while the step thread waited. Objects made after
+    each whole-heap collection walked every block of the KV pools while the step thread waited (bench/engine_gc.py,
+    the 2-core box: 21% -> 0, 1.29x the host's steps a second). Objects made after
     the freeze are collected as before; frozen ones that become garbage are only freed with their process (they live
     as long as the engine does)."""
     gc.collect()
