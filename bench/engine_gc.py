@@ -24,8 +24,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 from bench.machine import describe, machine_info
 
 BLOCK = 16
@@ -35,28 +33,16 @@ def run_one(args) -> dict:
     """One variant, in this process: the measurement as a dict."""
     import msgspec
 
-    from bench.step_host import FreeModel
+    from bench.step_host import FreeModel, staging_sampler
     from workers.cupy.engine import Engine
     from workers.cupy.engine_loop import EngineLoop, GcClock, engine_snapshot, quiet_gc
     from workers.cupy.kv_cache import BlockManager
-    from workers.cupy.sampler import Sampler, pack_rows
     from workers.cupy.scheduler import Scheduler
     from workers.protocol import GenerateRequest, SamplingParams
 
-    class StagingSampler(Sampler):  # packs the draws' parameters as the GPU sampler stages them; one argmax draws
-        def __init__(self):
-            super().__init__(np)
-            self.packed = np.zeros((args.batch + 1, 4), np.int32)
-
-        def stage(self, rows):
-            pack_rows(rows, self.packed[: len(rows)])
-
-        def sample(self, logits, rows, index=None):
-            return np.argmax(logits, axis=1).astype(np.int64), [None] * len(rows)
-
     window = 512  # Gemma 3's sliding window: a second pool, its blocks beyond the window slid out
     blocks = BlockManager(args.kv_tokens // BLOCK, BLOCK, num_local=args.batch * (window // BLOCK + 2), window=window)
-    engine = Engine(FreeModel(), None, blocks, Scheduler(blocks, args.batch, 2048), StagingSampler(), (1,),
+    engine = Engine(FreeModel(), None, blocks, Scheduler(blocks, args.batch, 2048), staging_sampler(args.batch), (1,),
                     1 << 20, FreeModel.vocab, 0, overlap=True)
     encode = msgspec.msgpack.Encoder().encode
     handed = [0, 0]  # hand-overs, bytes

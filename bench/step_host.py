@@ -101,21 +101,15 @@ class FreeModel:
         return out
 
 
-def whole_step(batch: int, context: int, two_pools: bool, overlap: bool, churn: int = 0, prompt: int = 32):
-    """A (scheduled, block_size, xp, tables) -> outputs callable: one Engine.step() of an engine over FreeModel
-    with `batch` sequences decoding, its sampler staging and packing the draws' parameters as the GPU sampler
-    does (the draw itself: one argmax), `overlap` as workers.engine.overlap. `churn` 0: the sequences never
-    finish; N: N of them finish each step (each lives batch / N steps, their ends staggered) and as many new
-    requests of `prompt` distinct tokens arrive, so their prefill rides with the decodes as under load."""
-    from workers.cupy.engine import Engine
+def staging_sampler(batch: int):
+    """A sampler that packs each step's draw parameters as the GPU sampler stages them (rows of up to `batch`), and
+    draws with one argmax over FreeModel's logits."""
     from workers.cupy.sampler import Sampler, pack_rows
-    from workers.cupy.scheduler import Scheduler
-    from workers.protocol import GenerateRequest
 
     class StagingSampler(Sampler):
         def __init__(self):
             super().__init__(np)
-            self.packed = np.zeros((batch, 4), np.int32)
+            self.packed = np.zeros((batch + 1, 4), np.int32)
 
         def stage(self, rows):
             pack_rows(rows, self.packed[: len(rows)])
@@ -123,10 +117,23 @@ def whole_step(batch: int, context: int, two_pools: bool, overlap: bool, churn: 
         def sample(self, logits, rows, index=None):
             return np.argmax(logits, axis=1).astype(np.int64), [None] * len(rows)
 
+    return StagingSampler()
+
+
+def whole_step(batch: int, context: int, two_pools: bool, overlap: bool, churn: int = 0, prompt: int = 32):
+    """A (scheduled, block_size, xp, tables) -> outputs callable: one Engine.step() of an engine over FreeModel
+    with `batch` sequences decoding, its sampler staging and packing the draws' parameters as the GPU sampler
+    does (the draw itself: one argmax), `overlap` as workers.engine.overlap. `churn` 0: the sequences never
+    finish; N: N of them finish each step (each lives batch / N steps, their ends staggered) and as many new
+    requests of `prompt` distinct tokens arrive, so their prefill rides with the decodes as under load."""
+    from workers.cupy.engine import Engine
+    from workers.cupy.scheduler import Scheduler
+    from workers.protocol import GenerateRequest
+
     per_seq = -(-(context + 4096) // BLOCK)
     local = batch * (WINDOW // BLOCK + 3) if two_pools else None
     blocks = BlockManager(batch * per_seq + 1, BLOCK, num_local=local, window=WINDOW if two_pools else None)
-    eng = Engine(FreeModel(), None, blocks, Scheduler(blocks, batch, max(2048, batch)), StagingSampler(), (1,),
+    eng = Engine(FreeModel(), None, blocks, Scheduler(blocks, batch, max(2048, batch)), staging_sampler(batch), (1,),
                  1 << 20, FreeModel.vocab, 0, overlap)
     life = max(1, batch // churn) if churn else 1 << 20
     for i in range(batch):
