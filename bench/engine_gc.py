@@ -26,14 +26,12 @@ import time
 
 from bench.machine import describe, machine_info
 
-BLOCK = 16
-
 
 def run_one(args) -> dict:
     """One variant, in this process: the measurement as a dict."""
     import msgspec
 
-    from bench.step_host import FreeModel, staging_sampler
+    from bench.step_host import BLOCK, FreeModel, staging_sampler
     from workers.cupy.engine import Engine
     from workers.cupy.engine_loop import EngineLoop, GcClock, engine_snapshot, quiet_gc
     from workers.cupy.kv_cache import BlockManager
@@ -45,7 +43,7 @@ def run_one(args) -> dict:
     engine = Engine(FreeModel(), None, blocks, Scheduler(blocks, args.batch, 2048), staging_sampler(args.batch), (1,),
                     1 << 20, FreeModel.vocab, 0, overlap=True)
     encode = msgspec.msgpack.Encoder().encode
-    handed = [0, 0]  # hand-overs, bytes
+    handovers = [0]
     arrivals = iter(range(1 << 62))
     done = threading.Event()
 
@@ -55,8 +53,8 @@ def run_one(args) -> dict:
                                max_tokens=args.tokens, sampling=SamplingParams(temperature=1.0), ignore_eos=True)
 
     def emit(outputs) -> None:
-        handed[0] += 1
-        handed[1] += len(encode(outputs))
+        handovers[0] += 1
+        encode(outputs)  # as the engine process does before it sends them
         for out in outputs:
             if out.finish_reason is not None and not done.is_set():
                 loop.inbox.put(("add", request()))
@@ -90,7 +88,7 @@ def run_one(args) -> dict:
     out = {"variant": args.variant, "steps_s": (engine.scheduler.steps - steps0) / wall, "tok_s": generated / wall,
            "gc_share": (clock.seconds - gc0) / wall,
            **{f"gen{i}_s": (g["collections"] - c) / wall for i, (g, c) in enumerate(zip(gc.get_stats(), counts0))},
-           "tracked": len(gc.get_objects()), "running": len(engine.scheduler.running), "handovers": handed[0]}
+           "tracked": len(gc.get_objects()), "running": len(engine.scheduler.running), "handovers": handovers[0]}
     done.set()
     loop.inbox.put((object(), None))
     return out
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
         return 0
     print(describe(machine_info()))
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passthrough = list(argv if argv is not None else sys.argv[1:])
     for _ in range(args.repeats):
         for v in args.variants:
             res = subprocess.run([sys.executable, "-m", "bench.engine_gc", *passthrough, "--variant", v],
