@@ -128,9 +128,9 @@ class EngineConfig(PulseModel):
                              "(BENCHMARKS.md, issue 25); off, as many join as the step's token budget allows.")
     quiet_gc: bool = Field(True, description="In an engine process of its own (`process`), freeze what exists once "
                            "the engine is built out of every later garbage collection and collect young objects once "
-                           "20,000 more were made than freed instead of 700 (workers/cupy/engine_loop.py quiet_gc): without it the "
-                           "H200's engine process spent 6-13% of its time collecting at 256 sequences (BENCHMARKS.md, "
-                           "issue 25). Off: Python's defaults.")
+                           "20,000 more were made than freed instead of 700 (workers/cupy/engine_loop.py quiet_gc): "
+                           "without it the H200's engine process spent 6-13% of its time collecting at 256 sequences "
+                           "(BENCHMARKS.md, issue 25). Off: Python's defaults.")
     prefill_wait_steps: int | None = Field(None, ge=0, description=(
         "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(

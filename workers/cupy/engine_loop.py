@@ -76,12 +76,12 @@ def quiet_gc(young: int = GC_YOUNG_THRESHOLD) -> None:
     """Garbage collection for a process that steps an engine (`workers.engine.quiet_gc`, on by default): what exists
     once the engine is built (the KV pools' block objects, the model, imported modules) is collected once and then
     frozen out of every later collection (gc.freeze), and a young collection waits until `young` more container
-    objects have been made than freed (Python's default: 700). Served on the H200 without it, the engine process spent 6-13% of its wall time collecting, more as
-    the batch grew (256 against 192) and as the server aged (bench/served.py's gc_share; BENCHMARKS.md, issue 25):
-    each whole-heap collection walked every block of the KV pools while the step thread waited (bench/engine_gc.py,
-    the 2-core box: 21% -> 0, 1.29x the host's steps a second). Objects made after
-    the freeze are collected as before; frozen ones that become garbage are only freed with their process (they live
-    as long as the engine does)."""
+    objects have been made than freed (Python's default: 700). Served on the H200 without it, the engine process
+    spent 6-13% of its wall time collecting, more as the batch grew (256 against 192) and as the server aged
+    (bench/served.py's gc_share; BENCHMARKS.md, issue 25): each whole-heap collection walked every block of the KV
+    pools while the step thread waited (bench/engine_gc.py, the 2-core box: 21% -> 0, 1.29x the host's steps a
+    second). Objects made after the freeze are collected as before; frozen ones that become garbage are only freed
+    with their process (they live as long as the engine does)."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()
