@@ -14,8 +14,11 @@ without --model, random weights of Gemma 3 270M's shapes (timing only).
 - decode, batch 1: 128 greedy tokens after a 1-token prompt (llama-bench tg128), each step replaying the
   CUDA graph and copying the chosen id to the host (what a serving engine must do per token);
 - decode, batch 64: 64 sequences with 128-token prompts, 128 steps each (llama-batched-bench -npp 128
-  -ntg 128 -npl 64, its S_TG), aggregate tokens/s;
-- the same two decode cases through the whole engine (scheduler, block manager, sampler: Python per step).
+  -ntg 128 -npl 64, its S_TG), aggregate tokens/s; `--batches 128 256` adds the same at those batches (the
+  served engine's full batch is 256 on the H200 profile);
+- the device time of one decode graph replay at each batch (`graph_step_us_bN`: CUDA events around 50
+  back-to-back replays, no host work between them), against which a served step's wall time compares;
+- the same decode cases through the whole engine (scheduler, block manager, sampler: Python per step).
 The first run of each case is a discarded warm-up; CUDA events time the device-only prefill, wall clock
 (host synchronised every step) the decode loops and the engine's prefill.
 """
@@ -246,7 +249,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-op device time of eager steps")
+    ap.add_argument("--batches", type=int, nargs="*", default=[],
+                    help="decode batches beyond 1 and 64 (e.g. 128 256: the h200 profile's full batch)")
     a = ap.parse_args()
+    batches = sorted({64, *a.batches})
 
     from workers.cupy.gpu import create_gpu_engine
     from workers.cupy.gpu.graphs import DecodeGraphs
@@ -269,9 +275,9 @@ def main() -> None:
                          eos_token_ids=(1,), add_bos=True, chat_template=None, hparams=hp)
         weights = random_weights(config_for(info))
     t0 = time.perf_counter()
-    model = build_gpu_model(info, weights, act=a.act, graph_sizes=(1, 64), max_model_len=1024)
-    kv = model.kv_storage(64 * 64, BS)
-    graphs = DecodeGraphs(model, kv, BS, (1, 64), 64)
+    model = build_gpu_model(info, weights, act=a.act, graph_sizes=(1, *batches), max_model_len=1024)
+    kv = model.kv_storage(batches[-1] * 64, BS)
+    graphs = DecodeGraphs(model, kv, BS, (1, *batches), 64)
     setup_s = time.perf_counter() - t0
     res = {
         "model": a.model or "random weights, Gemma 3 270M shapes",
@@ -279,24 +285,27 @@ def main() -> None:
         "setup_s": setup_s,
         "prefill_512": summary(bench_prefill(model, kv, 512, a.repeats * 3)),
         "decode_b1": summary(bench_decode(model, kv, graphs, 1, 1, 128, a.repeats)),
-        "decode_b64": summary(bench_decode(model, kv, graphs, 64, 128, 128, a.repeats)),
     }
     res["empty_node_us"] = empty_node_us(model)
     res["graph_step_us_b1"] = graph_step_us(graphs, 1)
-    res["graph_step_us_b64"] = graph_step_us(graphs, 64)
+    for n in batches:  # graph_step_us replays what bench_decode left loaded: n sequences at 128..255 tokens
+        res[f"decode_b{n}"] = summary(bench_decode(model, kv, graphs, n, 128, 128, a.repeats))
+        res[f"graph_step_us_b{n}"] = graph_step_us(graphs, n)
     if a.profile:
         res["profile_decode_b1_ctx64"] = profile_step(model, kv, 1, 64, True)
-        res["profile_decode_b64_ctx128"] = profile_step(model, kv, 64, 128, True)
+        for n in batches:
+            res[f"profile_decode_b{n}_ctx128"] = profile_step(model, kv, n, 128, True)
         res["profile_prefill512"] = profile_step(model, kv, 1, 512, False)
     if not a.no_engine:
         del graphs, kv
-        kw = {"block_size": BS, "num_blocks": 64 * 20, "max_num_seqs": 64, "max_step_tokens": 8192,
-              "context_length": 1024}
+        kw = {"block_size": BS, "num_blocks": batches[-1] * 20, "max_num_seqs": batches[-1],
+              "max_step_tokens": 8192, "context_length": 1024}
         eng = create_gpu_engine(info, weights, act=a.act, **kw)
         res["engine_prefill_512"] = summary(bench_engine_prefill(eng, 512, a.repeats * 3))
         res["engine_prefill_512"]["first_token_ms_median"] = 512e3 / res["engine_prefill_512"]["median"]
         res["engine_decode_b1"] = summary(bench_engine(eng, 1, 1, 128, a.repeats))
-        res["engine_decode_b64"] = summary(bench_engine(eng, 64, 128, 128, a.repeats))
+        for n in batches:
+            res[f"engine_decode_b{n}"] = summary(bench_engine(eng, n, 128, 128, a.repeats))
     res["device"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.json:
         with open(a.json, "w") as f:
