@@ -1,8 +1,9 @@
 """The measurement protocol from DEVICE_FACTS.md, in code.
 
 What held on the GB10 and Thor boxes: discard warm-up runs (first runs after start are slow), interleave the
-configurations inside every repeat (so drift, thermal state and neighbours hit all of them alike), rotate the
-order per repeat (so no configuration always runs first), take >= 5 repeats, report median and min/max.
+configurations inside every repeat (so drift, thermal state and neighbours hit all of them alike), reverse and
+rotate the order between repeats (so no configuration always runs first, or always after the same one), take
+>= 5 repeats, report median and min/max.
 
 `schedule` and `summarize` are pure and unit-tested; `run` drives async measurement callables through the
 schedule; `write_result` stores JSON (with the command line and machine), a Markdown table and a PNG plot.
@@ -38,7 +39,12 @@ class Step:
 
 
 def schedule(configs: Sequence[str], repeats: int, warmup: int) -> list[Step]:
-    """Every repeat runs every configuration once, ABAB..., with the order rotated by one each repeat."""
+    """Every repeat runs every configuration once, ABAB..., the order reversed every other repeat and rotated by
+    one every two (ABC, CBA, BCA, ACB, CAB, BAC: over six repeats each configuration runs once in every place, and
+    from the second on any two neighbours have run both ways round). Reversal matters where the configurations
+    are cells of targets (served.py's `pulse/story/greedy/c256`, `pulse-pygc/story/greedy/c256`, ...): a rotation
+    by one alone keeps each cell's targets in the same order every repeat, and on the H200 the later runs of a
+    cell came out faster (2026-12-04, BENCHMARKS.md). The warm-up repeats follow the same pattern from its start."""
     if not configs:
         raise ValueError("no configurations to measure")
     if len(set(configs)) != len(configs):
@@ -46,11 +52,11 @@ def schedule(configs: Sequence[str], repeats: int, warmup: int) -> list[Step]:
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     steps = []
-    n = len(configs)
-    for phase, count, offset in (("warmup", warmup, 0), ("measure", repeats, warmup)):
+    for phase, count in (("warmup", warmup), ("measure", repeats)):
         for r in range(count):
-            shift = (offset + r) % n
-            steps += [Step(phase, r, name) for name in [*configs[shift:], *configs[:shift]]]
+            shift = (r // 2) % len(configs)
+            order = [*configs[shift:], *configs[:shift]]
+            steps += [Step(phase, r, name) for name in (order[::-1] if r % 2 else order)]
     return steps
 
 

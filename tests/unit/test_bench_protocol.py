@@ -7,18 +7,32 @@ from bench import protocol
 from bench.protocol import Step
 
 
-def test_schedule_interleaves_every_config_once_per_repeat_and_rotates():
-    steps = protocol.schedule(["A", "B", "C"], repeats=3, warmup=0)
-    orders = [[s.config for s in steps if s.repeat == r] for r in range(3)]
-    assert orders == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
+def test_schedule_interleaves_every_config_once_per_repeat_reversing_and_rotating():
+    steps = protocol.schedule(["A", "B", "C"], repeats=6, warmup=0)
+    orders = [[s.config for s in steps if s.repeat == r] for r in range(6)]
+    assert orders == [["A", "B", "C"], ["C", "B", "A"], ["B", "C", "A"], ["A", "C", "B"], ["C", "A", "B"],
+                      ["B", "A", "C"]]
     assert all(s.phase == "measure" for s in steps)
+    for c in "ABC":  # every configuration once in every place
+        assert sorted(order.index(c) for order in orders) == [0, 0, 1, 1, 2, 2]
 
 
-def test_schedule_puts_warmup_first_and_keeps_rotating_after_it():
+def test_schedule_runs_a_cells_targets_both_ways_round_in_two_repeats():
+    """served.py's configurations come cell by cell, a cell's targets side by side: two repeats must not run
+    them in the same order twice (a rotation by one alone did, 2026-12-04)."""
+    configs = [f"{t}/c{c}" for c in (256, 1000) for t in ("pulse", "pulse-b256", "pulse-pygc")]
+    steps = protocol.schedule(configs, repeats=2, warmup=1)
+    for r in range(2):
+        order = [s.config for s in steps if s.phase == "measure" and s.repeat == r]
+        firsts = [name for name in order if name.endswith("/c256")]
+        assert firsts == (configs[:3] if r == 0 else configs[:3][::-1])
+
+
+def test_schedule_puts_warmup_first_and_measures_both_orders_after_it():
     steps = protocol.schedule(["A", "B"], repeats=2, warmup=1)
     assert steps == [Step("warmup", 0, "A"), Step("warmup", 0, "B"),
-                     Step("measure", 0, "B"), Step("measure", 0, "A"),
-                     Step("measure", 1, "A"), Step("measure", 1, "B")]
+                     Step("measure", 0, "A"), Step("measure", 0, "B"),
+                     Step("measure", 1, "B"), Step("measure", 1, "A")]
 
 
 @pytest.mark.parametrize("configs,repeats,warmup", [([], 5, 2), (["A", "A"], 5, 2), (["A"], 0, 2), (["A"], 5, -1)])
