@@ -1,5 +1,6 @@
 """Garbage collection in an engine process under served load, without a GPU (issue 25): how much of its wall time the
-step thread loses to the collector, with `workers.engine.quiet_gc` on (the default) and off (Python's defaults).
+step thread loses to the collector, with `workers.engine.quiet_gc` on and off (Python's defaults, the default:
+served on the H200 quiet_gc was no faster, BENCHMARKS.md).
 
 Each variant runs in a process of its own (collector state is per process) what the engine process runs, less the
 device: the real EngineLoop (step outputs held per stream and handed over, each hand-over encoded with msgspec as

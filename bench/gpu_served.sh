@@ -28,10 +28,10 @@
 #   TARGETS="pulse pulse-q4" SERVED_ARGS="--clients 256 512 1000 --sampling t1 --per-client 4 --repeats 2
 #     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=320
 #     bash bench/gpu_served.sh story
-# The engine process's garbage collection, workers.engine.quiet_gc (on) against Python's defaults (pulse-pygc), past
-# saturation (issue 25; on a freshly started machine the first server's start also compiles the kernels, so leave
-# ~3 min for the two starts):
-#   TARGETS="pulse pulse-pygc" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
+# The engine process's garbage collection, Python's defaults (pulse) against workers.engine.quiet_gc on (pulse-qgc),
+# past saturation (issue 25; on a freshly started machine the first server's start also compiles the kernels, so
+# leave ~3 min for the two starts; 2026-12-04 the call took 321 s with the stages unpacked in it):
+#   TARGETS="pulse pulse-qgc" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
 #     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=480
 #     bash bench/gpu_served.sh story
 set -u

@@ -42,7 +42,7 @@ def schedule(configs: Sequence[str], repeats: int, warmup: int) -> list[Step]:
     """Every repeat runs every configuration once, ABAB..., the order reversed every other repeat and rotated by
     one every two (ABC, CBA, BCA, ACB, CAB, BAC: over six repeats each configuration runs once in every place, and
     from the second on any two neighbours have run both ways round). Reversal matters where the configurations
-    are cells of targets (served.py's `pulse/story/greedy/c256`, `pulse-pygc/story/greedy/c256`, ...): a rotation
+    are cells of targets (served.py's `pulse/story/greedy/c256`, `pulse-qgc/story/greedy/c256`, ...): a rotation
     by one alone keeps each cell's targets in the same order every repeat, and on the H200 the later runs of a
     cell came out faster (2026-12-04, BENCHMARKS.md). The warm-up repeats follow the same pattern from its start."""
     if not configs:

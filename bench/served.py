@@ -22,14 +22,14 @@ mixed graph's tokens, the rest a step later, workers/cupy/scheduler.py), `pulse-
 of letting the worker hold requests beyond its batch, so that a finished sequence's place is refilled inside the
 engine rather than after the gateway hears of the end; `--worker-queue N` sets `pulse`'s), `pulse-bN` (e.g.
 `pulse-b192`: a second `pulse serve` like `pulse` whose engine runs at most N sequences a step, `max_num_seqs: N`;
-with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `pulse-pygc` (a second `pulse
-serve` like `pulse` whose engine process keeps Python's garbage collector as it is, `workers.engine.quiet_gc: off`:
-the A/B of freezing the built engine out of collections), `llama` (llama-server
-started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads: `story` (a distinct
-short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it, distinct per
-request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and `t1`
-(temperature 1, no top_k / top_p: OpenAI's default). Each run: C clients, each sending --per-client requests in a
-closed loop, `ignore_eos` so every request generates --tokens tokens; `--stagger S` spreads the clients' first
+with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `pulse-qgc` (a second `pulse
+serve` like `pulse` whose engine process freezes the built engine out of garbage collection,
+`workers.engine.quiet_gc: on`: the A/B of that setting, off by default since it served no faster on the H200),
+`llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads:
+`story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it,
+distinct per request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and
+`t1` (temperature 1, no top_k / top_p: OpenAI's default). Each run: C clients, each sending --per-client requests in
+a closed loop, `ignore_eos` so every request generates --tokens tokens; `--stagger S` spreads the clients' first
 requests over S seconds, so that requests end and arrive spread over the run as independent agents' do (without it
 they start, end and re-arrive together, and few steps carry a prompt; the engine alone then runs with staggered
 arrivals too). The whole grid is large (3 targets x 3 workloads x 2 samplings x 4 client counts = 72 runs a repeat;
@@ -39,14 +39,13 @@ every run's result is appended to records.jsonl in the log folder as it lands. M
 tokens over the run's wall time), TTFT p50 / p99, and for Pulse's GPU engine `eager_share`: the run's engine
 forwards that ran eagerly (a step no CUDA graph fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs
 off) over all its forwards, from the workers' `forwards_by_path`, `batch_mean` (decoding sequences per forward:
-whether the batch stays full past saturation), `steps_per_s` (forwards over the run's wall time: whether the
-steps slowed) and `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step
-thread, over the run's wall time). Every configuration runs once per repeat, interleaved and rotated
+whether the batch stays full past saturation), `steps_per_s` (forwards over the run's wall time: whether the steps
+slowed) and `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step thread,
+over the run's wall time). Every configuration runs once per repeat, interleaved, reversed and rotated
 (bench/protocol.py); JSON, a Markdown table and a PNG go to --out, and the pivot table (one row per workload x
-sampling x clients) is printed.
-`--engine-alone` then runs, in the same call once the servers are stopped, the worker's engine alone at the same
-batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its `engine` column is the ceiling the
-served path is measured against (`pulse/engine`).
+sampling x clients) is printed. `--engine-alone` then runs, in the same call once the servers are stopped, the
+worker's engine alone at the same batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its
+`engine` column is the ceiling the served path is measured against (`pulse/engine`).
 """
 from __future__ import annotations
 
@@ -233,7 +232,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     # pulse-eager its own with mixed steps launched eagerly, pulse-fit its own with arrivals fitted to the graphs
     # (workers.engine.fit_graphs on), pulse-hold its own with a 200 us hand-over hold,
     # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's), each pulse-bN its
-    # own with a batch of N (and pulse's worker queue), pulse-pygc its own with Python's collector as it is
+    # own with a batch of N (and pulse's worker queue), pulse-qgc its own with quiet_gc on
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
             (args.engine_process, args.engine_process, queue,
@@ -249,7 +248,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("hold", args.engine_process, {}, {"handover_us_per_stream": 200.0},
              [t for t in args.targets if t == "pulse-hold"]),
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"]),
-            ("pygc", args.engine_process, queue, {"quiet_gc": False}, [t for t in args.targets if t == "pulse-pygc"]),
+            ("qgc", args.engine_process, queue, {"quiet_gc": True}, [t for t in args.targets if t == "pulse-qgc"]),
             *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
               for t in args.targets if batch_of(t))):
         if not targets:
@@ -308,7 +307,7 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
 
 
 TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
-           "pulse-hold", "pulse-q4", "pulse-pygc", "llama"]
+           "pulse-hold", "pulse-q4", "pulse-qgc", "llama"]
 
 
 def batch_of(target: str) -> int | None:

@@ -125,18 +125,19 @@ def _kill_a_worker() -> None:
         worker.kill()
 
 
-async def test_the_engine_process_freezes_its_built_engine_out_of_garbage_collection_unless_told_not_to(backend):
-    """workers.engine.quiet_gc (on by default): the engine process collects and freezes what exists once its engine
-    is built, and says how many objects it froze; off, it keeps Python's collector as it is. Either way it serves."""
-    assert backend.stats().gc_frozen > 10_000  # the model, the KV pools' blocks, the imported modules
-    assert "".join(c.text for c in await collect(backend, req("quiet")))
-    plain = EngineBackend(PulseConfig.model_validate({"workers": {"engine": {**CONFIG["workers"]["engine"],
-                                                                             "quiet_gc": False}}}),
+async def test_the_engine_process_freezes_its_built_engine_out_of_garbage_collection_only_when_told(backend):
+    """workers.engine.quiet_gc (off by default): on, the engine process collects and freezes what exists once its
+    engine is built, and says how many objects it froze; off, it keeps Python's collector as it is. Either way it
+    serves the same tokens."""
+    assert backend.stats().gc_frozen == 0
+    assert "".join(c.text for c in await collect(backend, req("plain")))
+    quiet = EngineBackend(PulseConfig.model_validate({"workers": {"engine": {**CONFIG["workers"]["engine"],
+                                                                             "quiet_gc": True}}}),
                           builtin_profiles()["cpu"], load_model_info(None))
-    await plain.start()
+    await quiet.start()
     try:
-        assert plain.stats().gc_frozen == 0
-        assert "".join(c.text for c in await collect(plain, req("plain"))) == "".join(
-            c.text for c in await collect(backend, req("quiet-again")))  # greedy: the same tokens either way
+        assert quiet.stats().gc_frozen > 10_000  # the model, the KV pools' blocks, the imported modules
+        assert "".join(c.text for c in await collect(quiet, req("quiet"))) == "".join(
+            c.text for c in await collect(backend, req("plain-again")))  # greedy: the same tokens either way
     finally:
-        await plain.close()
+        await quiet.close()

@@ -20,7 +20,7 @@ def test_schedule_interleaves_every_config_once_per_repeat_reversing_and_rotatin
 def test_schedule_runs_a_cells_targets_both_ways_round_in_two_repeats():
     """served.py's configurations come cell by cell, a cell's targets side by side: two repeats must not run
     them in the same order twice (a rotation by one alone did, 2026-12-04)."""
-    configs = [f"{t}/c{c}" for c in (256, 1000) for t in ("pulse", "pulse-b256", "pulse-pygc")]
+    configs = [f"{t}/c{c}" for c in (256, 1000) for t in ("pulse", "pulse-b256", "pulse-qgc")]
     steps = protocol.schedule(configs, repeats=2, warmup=1)
     for r in range(2):
         order = [s.config for s in steps if s.phase == "measure" and s.repeat == r]
