@@ -17,9 +17,11 @@
 # short and the repeats few so that the call ends with a table:
 #   BENCH_TIMEOUT_S=540 SERVED_ARGS="--clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 2 --warmup 1
 #     --duration 15 --timeout 20" bash bench/gpu_served.sh json
-# The sweep past 64 clients with the engine alone beside it (issue 25), one call:
-#   TARGETS=pulse SERVED_ARGS="--clients 1 16 64 128 256 512 1000 --per-client 2 --repeats 2 --warmup 1
-#     --duration 60 --timeout 120 --engine-alone" bash bench/gpu_served.sh story
+# The sweep past 64 clients with the engine alone beside it (issue 25), one call, at the profile's batch (without
+# --profile-batch the engine runs max_num_seqs = the largest client count, 1,000: not what `pulse serve` runs):
+#   TARGETS=pulse SERVED_ARGS="--clients 1 16 64 128 256 512 1000 --sampling greedy t1 --per-client 4 --repeats 2
+#     --warmup 1 --duration 40 --timeout 90 --engine-alone --profile-batch --client-procs 4" BENCH_TIMEOUT_S=575
+#     bash bench/gpu_served.sh story
 # Mixed steps (prompt chunks replaying the verify graphs) against the same server with them off, arrivals spread as
 # independent agents' are (without --stagger closed-loop clients re-arrive together and few steps carry a prompt):
 #   TARGETS="pulse pulse-eager" SERVED_ARGS="--clients 64 256 --per-client 6 --stagger 1 --repeats 2 --warmup 1
