@@ -22,6 +22,7 @@ import asyncio
 import ipaddress
 import json
 import multiprocessing
+import re
 import socket
 import sys
 import time
@@ -76,6 +77,20 @@ class RequestResult:
     total: float = 0.0
     tokens: int = 0
     error: str | None = None  # exception name, "stream_error" or "no_content"
+    reason: str | None = None  # a refusal's message (not 200), its numbers as N: refusal_reason
+
+
+def refusal_reason(body: bytes) -> str | None:
+    """The message of an error answer (OpenAI's `{"error": {"message"}}`, Anthropic's `{"type": "error", "error":
+    {"message"}}`, or a bare `{"detail"}`), digits folded to N so that like refusals count together ("the queue is
+    full (N waiting)"), at most 160 characters; None when the body carries none."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else None)
+    return re.sub(r"\d+(\.\d+)?", "N", msg)[:160] if isinstance(msg, str) and msg else None
 
 
 @dataclass(frozen=True)
@@ -207,7 +222,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stre
         async with session.post(url, json=body) as resp:
             res.status = resp.status
             if resp.status != 200:
-                await resp.read()
+                res.reason = refusal_reason(await resp.read())
             elif stream:
                 await _read_stream(resp, t0, res)
             else:
@@ -411,7 +426,10 @@ def aggregate(results: Sequence[RequestResult], wall: float) -> dict:
                          ("total", [r.total for r in ok])):
         for p, v in percentiles(values).items():
             flat[f"{name}_{p}_ms"] = v
-    return {"metrics": flat, "status_counts": dict(statuses), "error_kinds": dict(errors)}
+    # why answers were refused, by status and message: the 429s past saturation say which limit they met
+    refusals = Counter(f"{r.status}: {r.reason}" for r in results if r.status not in (0, 200) and r.reason)
+    return {"metrics": flat, "status_counts": dict(statuses), "error_kinds": dict(errors),
+            "refusals": dict(refusals)}
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[str, LoadSpec]:

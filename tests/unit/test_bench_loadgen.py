@@ -44,8 +44,9 @@ def test_percentiles_in_ms():
 
 def test_aggregate_counts_429_apart_from_errors_and_rates_only_served_requests():
     results = [RequestResult(200, ttft=0.001 * i, itl=[0.0001], total=0.002 * i, tokens=16) for i in range(1, 11)]
-    results += [RequestResult(429), RequestResult(429), RequestResult(500), RequestResult(0, error="ClientOSError"),
-                RequestResult(200, error="stream_error", tokens=3)]
+    full = "Workers are at capacity and the queue is full (N waiting); retry after N s."
+    results += [RequestResult(429, reason=full), RequestResult(429, reason=full), RequestResult(500),
+                RequestResult(0, error="ClientOSError"), RequestResult(200, error="stream_error", tokens=3)]
     out = aggregate(results, wall=2.0)
     m = out["metrics"]
     assert (m["requests"], m["ok"], m["rate_limited"], m["errors"]) == (15, 10, 2, 3)
@@ -53,6 +54,19 @@ def test_aggregate_counts_429_apart_from_errors_and_rates_only_served_requests()
     assert m["ttft_p50_ms"] == pytest.approx(5.5) and m["itl_p50_ms"] == pytest.approx(0.1)
     assert out["status_counts"] == {"200": 11, "429": 2, "500": 1, "none": 1}
     assert out["error_kinds"] == {"500": 1, "ClientOSError": 1, "stream_error": 1}
+    assert out["refusals"] == {f"429: {full}": 2}
+
+
+def test_refusal_reason_reads_openai_and_anthropic_errors_with_numbers_folded():
+    from bench.loadgen import refusal_reason
+
+    assert refusal_reason(b'{"error": {"message": "the queue is full (312 waiting); retry after 2 s.", '
+                          b'"type": "server_overloaded"}}') == "the queue is full (N waiting); retry after N s."
+    assert refusal_reason(b'{"type": "error", "error": {"type": "overloaded_error", "message": "waited 30.5 s"}}'
+                          ) == "waited N s"
+    assert refusal_reason(b'{"detail": "Not Found"}') == "Not Found"
+    assert refusal_reason(b"<html>bad gateway</html>") is None
+    assert refusal_reason(b'{"error": "plain"}') is None
 
 
 @pytest.mark.parametrize("stagger", [0.0, 0.4])
