@@ -98,6 +98,13 @@ class LoadTestConfig(PulseModel):
                                 "as possible.")
     ttft_s: float = Field(0.0, ge=0, description="Seconds before the first token (a prefill's wait); 0: at once.")
     slots: int = Field(4096, ge=1, description="Concurrent streams the backend accepts.")
+    batch: int | None = Field(None, ge=1, description="Streams generating at once, as an engine's batch: the rest "
+                              "wait inside the backend, first come first served, and stats report `batch` slots and "
+                              "`worker_queue` (so the gateway's admission sees an engine's places past saturation); "
+                              "empty: every accepted stream generates at once.")
+    worker_queue: int | None = Field(None, ge=0, description="With `batch`: the requests beyond it the backend says it "
+                                     "holds at no cost (an engine's device profile's worker_queue); empty: the "
+                                     "gateway's admission.worker_queue_max decides.")
 
 
 class StageConfig(PulseModel):

@@ -2,7 +2,9 @@
 
 It streams a configured number of tokens at a configured rate and does no inference, so what a
 benchmark measures in front of it is the gateway and the channel. Selected with
-`pulse serve --backend loadtest`; never a default.
+`pulse serve --backend loadtest`; never a default. With `batch` it behaves toward admission as an engine does past
+saturation: `batch` streams generate at once, the others wait inside it in arrival order (an engine's scheduler
+queue, which takes whatever the gateways send), and its stats say `batch` slots and `worker_queue` places.
 """
 from __future__ import annotations
 
@@ -23,13 +25,21 @@ class LoadTestBackend(Backend):
         self.generated = 0
         self._started = time.monotonic()
         self._cancelled: set[str] = set()
+        self._batch = asyncio.Semaphore(self.cfg.batch) if self.cfg.batch else None  # FIFO: asyncio's waiters queue
+        self.waiting = 0
 
     async def start(self) -> None:
         self._started = time.monotonic()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        if self.running >= self.cfg.slots:
+        if self.running + self.waiting >= self.cfg.slots:
             raise BackendError("load-test backend is at its slot limit", 429, "no_capacity")
+        if self._batch is not None:
+            self.waiting += 1
+            try:
+                await self._batch.acquire()
+            finally:
+                self.waiting -= 1
         self.running += 1
         try:
             n = min(self.cfg.tokens, request.max_tokens)
@@ -52,6 +62,8 @@ class LoadTestBackend(Backend):
         finally:
             self.running -= 1
             self._cancelled.discard(request.request_id)
+            if self._batch is not None:
+                self._batch.release()
 
     async def cancel(self, request_id: str) -> None:
         self._cancelled.add(request_id)
@@ -61,6 +73,10 @@ class LoadTestBackend(Backend):
 
     def stats(self) -> BackendStats:
         elapsed = max(time.monotonic() - self._started, 1e-6)
+        if self.cfg.batch:
+            return BackendStats(running=self.running, waiting=self.waiting, slots=self.cfg.batch,
+                                queue_max=self.cfg.worker_queue, tokens_per_s=self.generated / elapsed,
+                                generated_tokens=self.generated)
         return BackendStats(running=self.running, slots=self.cfg.slots, tokens_per_s=self.generated / elapsed,
                             generated_tokens=self.generated)
 

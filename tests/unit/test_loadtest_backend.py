@@ -59,3 +59,37 @@ async def test_the_bench_upstream_paces_only_between_tokens(path, ttft):
     assert raw.count(b" tok") == 3 and raw.endswith(b"data: [DONE]\n\n")
     assert ttft <= first < ttft + 0.08
     assert ttft + 0.2 <= total < ttft + 0.28
+
+
+async def test_with_a_batch_the_rest_wait_inside_in_arrival_order_and_stats_say_the_places():
+    """`batch`: that many streams generate at once and the others wait inside the backend (an engine's scheduler
+    queue), first come first served; its stats report `batch` slots, the waiting and `worker_queue`, as an engine's
+    do, so the gateway's admission sees the places an engine has. Past `slots` it still refuses (429)."""
+    import asyncio
+
+    from workers.protocol import BackendError
+
+    config = PulseConfig.model_validate({"workers": {"backend": "loadtest", "loadtest": {
+        "tokens": 2, "tokens_per_s": 20, "batch": 2, "worker_queue": 3, "slots": 4}}})
+    backend = LoadTestBackend(config, worker_id="w0")
+    firsts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+
+    async def run(rid: str) -> None:
+        async for chunk in backend.generate(GenerateRequest(request_id=rid, prompt_ids=[1], max_tokens=2)):
+            if chunk.token_ids and rid not in firsts:
+                firsts[rid] = time.perf_counter()
+        ends[rid] = time.perf_counter()
+
+    tasks = [asyncio.create_task(run(f"r{i}")) for i in range(4)]
+    await asyncio.sleep(0.02)
+    stats = backend.stats()
+    assert (stats.running, stats.waiting, stats.slots, stats.queue_max) == (2, 2, 2, 3)
+    with pytest.raises(BackendError) as refused:  # 4 accepted: the fifth is past `slots`
+        await anext(backend.generate(GenerateRequest(request_id="r4", prompt_ids=[1], max_tokens=2)))
+    assert refused.value.status == 429
+    await asyncio.gather(*tasks)
+    # the waiting two start in arrival order, each once a place was freed (after a stream of the batch ended)
+    assert max(firsts["r0"], firsts["r1"]) < firsts["r2"] <= firsts["r3"]
+    assert firsts["r2"] >= min(ends["r0"], ends["r1"]) and firsts["r3"] >= sorted([ends["r0"], ends["r1"]])[1]
+    assert (backend.stats().running, backend.stats().waiting) == (0, 0)
