@@ -54,7 +54,7 @@ def admit(
     if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg) \
             and not over_share(target, queue, cfg):
         return AdmissionDecision("admit", max_tokens=max_tokens)
-    return _queue_or_reject(request, queue, cfg, max_tokens)
+    return _queue_or_reject(request, queue, cfg, max_tokens, target)
 
 
 def expired(queue: QueueState, cfg: AdmissionConfig) -> AdmissionDecision:
@@ -166,8 +166,23 @@ def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
     return w.inflight >= share
 
 
-def _queue_or_reject(request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig, max_tokens: int):
-    capacity = cfg.queue_max if request.priority >= 0 else int(cfg.queue_max * cfg.background_queue_share)
+def queue_capacity(w: WorkerLoad, cfg: AdmissionConfig) -> int:
+    """Requests this gateway replica may hold waiting: `queue_max` a replica, pooled across the replicas that share
+    the worker (those that told it their queue lately, `other_gateways`, with `gateways_waiting` queued there), so
+    that a replica may hold more while the others hold less, up to `queue_max` x replicas in all and never more than
+    that alone (the memory bound). Clients' connections fall on the replicas unevenly (SO_REUSEPORT), and closed-loop
+    clients re-arrive together once a wave of answers ends: with `queue_max` a replica each, at 1,000 clients over 4
+    replicas one replica's queue passed 256 while 616 waited in all (429s on the H200 and, 115 of 4,000, on the
+    2-core box with the load-test backend's batch of 256 + 128; BENCHMARKS.md, issue 25)."""
+    if w.other_gateways <= 0:
+        return cfg.queue_max
+    return max(cfg.queue_max, cfg.queue_max * (1 + w.other_gateways) - w.gateways_waiting)
+
+
+def _queue_or_reject(request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig, max_tokens: int,
+                     w: WorkerLoad):
+    pooled = queue_capacity(w, cfg)
+    capacity = pooled if request.priority >= 0 else int(pooled * cfg.background_queue_share)
     ahead = queue.ahead_of(request.priority)
     if queue.depth >= capacity:
         return _reject_429(

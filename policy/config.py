@@ -333,7 +333,9 @@ class RoutingConfig(PulseModel):
 class AdmissionConfig(PulseModel):
     """When a request runs now, waits, or is refused (policy/admission.py)."""
 
-    queue_max: int = Field(256, ge=0, description="Requests the gateway may hold waiting; past it: 429.")
+    queue_max: int = Field(256, ge=0, description="Requests a gateway replica may hold waiting, pooled across the "
+                           "replicas (one may hold more while the others hold less, up to queue_max x replicas in "
+                           "all: policy/admission.py queue_capacity); past it: 429.")
     queue_deadline_s: float = Field(30.0, gt=0, description="Longest a request waits in the queue before a 429.")
     background_queue_share: float = Field(
         0.5, ge=0, le=1, description="Share of the queue that priority < 0 (background) requests may fill."

@@ -52,6 +52,7 @@ class WorkerLoad:
     reserved_kv_tokens: int = 0  # KV tokens admitted there by this gateway but not yet visible in stats
     sessions: int = 0  # x-session-id conversations this gateway placed there, seen within session_idle_s
     gateways_waiting: int = 0  # requests queued in the other gateways' admission queues (their last word to it)
+    other_gateways: int = 0  # the other gateways that told it their queue lately (admission pools queue_max with them)
     refused: bool = False  # it answered 429 (full) since its last stats poll: full until a poll says otherwise
 
     @classmethod

@@ -73,8 +73,9 @@ class StreamServer:
 
     async def stats(self, request: web.Request) -> web.Response:
         """The backend's stats. A gateway polling with `?gateway=<its id>&waiting=<its queue>` also says how many
-        requests wait in its admission queue, and is told how many wait in the others' (`gateways_waiting`), so
-        that each replica takes its share of this worker's places (policy.admission.over_share)."""
+        requests wait in its admission queue, and is told how many wait in the others' (`gateways_waiting`) and how
+        many others there are (`other_gateways`), so that each replica takes its share of this worker's places
+        (policy.admission.over_share) and the replicas' queues are one (policy.admission.queue_capacity)."""
         gateway = request.query.get("gateway", "")[:64]
         if gateway:
             try:
@@ -85,6 +86,7 @@ class StreamServer:
         if self.draining:
             stats.healthy = False
         stats.gateways_waiting = sum(n for g, n in self._gateways.items() if g != gateway)
+        stats.other_gateways = sum(1 for g in self._gateways if g != gateway)
         return web.Response(body=encode(stats), content_type="application/json")
 
     async def blocks(self, request: web.Request) -> web.Response:

@@ -146,8 +146,9 @@ async def test_the_final_line_and_the_chunked_terminator_leave_in_one_write(work
 
 async def test_gateways_hear_each_others_queues_through_the_worker(worker):
     """Two gateways' pools poll one worker, each saying how many requests wait in its admission queue; each
-    hears the other's (not its own) in `gateways_waiting`, which admission's share of the places reads. A
-    gateway that stops polling is forgotten; a bad count is a 400, not a crash."""
+    hears the other's (not its own) in `gateways_waiting`, which admission's share of the places reads, and how
+    many others there are in `other_gateways` (admission pools the queue with them). A gateway that stops polling
+    is forgotten; a bad count is a 400, not a crash."""
     srv, url, http = worker
     info = WorkerInfo("w0", url, "loadtest", secret=srv.secret)
 
@@ -161,18 +162,21 @@ async def test_gateways_hear_each_others_queues_through_the_worker(worker):
     try:
         await a.poll_once()  # a's first poll came before b had said anything
         assert a.workers["w0"].stats.gateways_waiting == 3 and b.workers["w0"].stats.gateways_waiting == 7
+        assert a.workers["w0"].stats.other_gateways == 1 and b.workers["w0"].stats.other_gateways == 1
         a.queue_depth = lambda: 0
         await a.poll_once()
         await b.poll_once()
         assert b.workers["w0"].stats.gateways_waiting == 0
         auth = {"Authorization": f"Bearer {srv.secret}"}
         async with http.get(url + "/stats", headers=auth) as r:  # anyone else (the status page): everyone's
-            assert (await r.json())["gateways_waiting"] == 3
+            body = await r.json()
+            assert body["gateways_waiting"] == 3 and body["other_gateways"] == 2
         async with http.get(url + "/stats?gateway=x&waiting=many", headers=auth) as r:
             assert r.status == 400
         srv._gateways.expire(time.monotonic() + GATEWAY_REPORT_TTL_S)  # as if no gateway had polled since
         async with http.get(url + "/stats", headers=auth) as r:
-            assert (await r.json()).get("gateways_waiting", 0) == 0
+            body = await r.json()
+            assert body.get("gateways_waiting", 0) == 0 and body.get("other_gateways", 0) == 0
     finally:
         await a.close()
         await b.close()

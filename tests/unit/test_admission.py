@@ -49,6 +49,15 @@ CASES = [
      ("reject", 429, "server_overloaded")),
     ("background queues below its share", W(used=100), A(priority=-1), Q({0: 4}), CFG, ("queue", 200, "")),
     ("hopeless queue says no at once", W(used=100), A(), Q({0: 9}, 0.1), CFG, ("reject", 429, "server_overloaded")),
+    # the replicas' queues pooled: 3 others holding 12 of their 30 leave this one room past its own 10
+    ("a replica queues past queue_max while the others leave room", W(used=100, other_gateways=3, gateways_waiting=12),
+     A(), Q({0: 25}, 100.0), CFG, ("queue", 200, "")),
+    ("the pooled queue full: 429", W(used=100, other_gateways=3, gateways_waiting=12), A(), Q({0: 28}, 100.0), CFG,
+     ("reject", 429, "server_overloaded")),
+    ("others over their own share leave a replica its queue_max", W(used=100, other_gateways=3, gateways_waiting=35),
+     A(), Q({0: 9}, 100.0), CFG, ("queue", 200, "")),
+    ("background gets its share of the pooled queue", W(used=100, other_gateways=1, gateways_waiting=0),
+     A(priority=-1), Q({0: 10}, 100.0), CFG, ("reject", 429, "server_overloaded")),
 ]
 
 
@@ -192,3 +201,19 @@ def test_every_answer_is_well_formed(running, waiting, slots, total, used, healt
         free = target.kv_free_tokens
         assert free is None or kv_tokens_needed(req, d.max_tokens, CFG) <= free
         assert ctx == 0 or prompt + d.max_tokens <= ctx
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 50), st.integers(0, 7), st.integers(0, 400))
+def test_the_pooled_queue_never_holds_more_than_every_replicas_queue_max_and_never_less_than_one(queue_max, others,
+                                                                                                  waiting):
+    """queue_capacity: at least queue_max (a replica is never worse off than alone), at most queue_max x replicas
+    (the memory bound), and with the others' queues counted, this replica's capacity plus their waiting stays
+    within queue_max x replicas whenever they hold less than that."""
+    from policy.admission import queue_capacity
+
+    cfg = AdmissionConfig(queue_max=queue_max)
+    cap = queue_capacity(W(other_gateways=others, gateways_waiting=waiting), cfg)
+    assert queue_max <= cap <= queue_max * (1 + others)
+    if waiting <= queue_max * others:
+        assert cap + waiting <= queue_max * (1 + others)

@@ -111,6 +111,7 @@ class BackendStats(msgspec.Struct):
     # requests waiting in the admission queues of the gateways other than the one asking, as each told this worker
     # in its latest stats poll (workers/stream.py): with several gateway replicas, each takes its share of the places
     gateways_waiting: int = 0
+    other_gateways: int = 0  # how many other gateways told it their queue lately: the admission queue is theirs too
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     block_size: int = 16
