@@ -287,6 +287,10 @@ def main() -> None:
         "decode_b1": summary(bench_decode(model, kv, graphs, 1, 1, 128, a.repeats)),
     }
     res["empty_node_us"] = empty_node_us(model)
+    att = getattr(getattr(model, "kernels", None), "_f", {}).get("attention")
+    if att is not None:  # what bounds its blocks per SM (PULSE_GPU_ATT_MIN_BLOCKS, PULSE_GPU_ATT_UNROLL)
+        res["attention_kernel"] = {k: getattr(att, k, None) for k in ("num_regs", "local_size_bytes",
+                                                                      "shared_size_bytes")}
     res["graph_step_us_b1"] = graph_step_us(graphs, 1)
     for n in batches:  # graph_step_us replays what bench_decode left loaded: n sequences at 128..255 tokens
         res[f"decode_b{n}"] = summary(bench_decode(model, kv, graphs, n, 128, 128, a.repeats))

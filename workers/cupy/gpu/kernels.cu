@@ -118,6 +118,9 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 #define ATT_UNROLL 4
 #endif
 #define ATT_SBT 64  // >= ATT_CHUNK / 8 + 2: a chunk's entries always fit (block_size >= 8)
+#ifndef ATT_MIN_BLOCKS  // blocks per SM the compiler must leave registers for (PULSE_GPU_ATT_MIN_BLOCKS, default 1)
+#define ATT_MIN_BLOCKS 1
+#endif
 
 // Paged attention for a flat step of T query tokens (prefill chunks and decode tokens mixed): token t of
 // block-table row tok_row[t] at position pos[t] attends to its sequence's keys [start, pos[t]], start =
@@ -128,7 +131,7 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 // n_split > 1 (decode steps, grid z = split): the keys are divided among n_split blocks (flash-decoding), each
 // writes its unnormalised partial (acc, max, sum) to `part`, and the last block to finish a token (an atomic
 // count in `counter`, reset by that block) merges them in split order: short chains, more blocks in flight.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
     attention(const act_t* __restrict__ q, act_t* kc, act_t* vc,  // written too on fused decode steps
               const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ tok_row,
               const int* __restrict__ pos, int block_size, int window, float scale, int NKV,

@@ -39,8 +39,11 @@ def argmax_chunks(vocab: int) -> int:
 def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
     # keys each attention warp loads at once: 8 (254 registers) measured slower than 4 (NOTES.md)
     unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "4"))
+    # attention blocks per SM the compiler keeps registers for: 1 (the default) leaves it free; 2 caps it at 128 a
+    # thread. At 256 sequences attention is 46% of the device step, ~8x off its KV-read floor (NOTES.md): to try
+    min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "1"))
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
-               f"-DATT_UNROLL={unroll}")
+               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}")
     code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
     return cp.RawModule(code=code, options=options)
 
