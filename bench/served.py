@@ -68,8 +68,8 @@ from bench.speculation import EDITS, SOURCES, edit_prompt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
-TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "eager_share", "batch_mean", "steps_per_s",
-                 "gc_share", "client_cpu"]
+TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "rate_limited", "eager_share", "batch_mean",
+                 "steps_per_s", "gc_share", "client_cpu"]
 SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps beside the forwards by path
 GC_SECONDS = "_gc_seconds"  # forwards()' key for the seconds the engines' processes spent in garbage collection
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
