@@ -137,9 +137,9 @@ class EngineConfig(PulseModel):
                            "once the engine is built out of every later garbage collection and collect young objects "
                            "once 20,000 more were made than freed instead of 700 (workers/cupy/engine_loop.py "
                            "quiet_gc). Off by default (Python's defaults): it took collection from 21% of the engine "
-                           "loop's host time to 0 on the 2-core box, but served on the H200 (256 and 1,000 clients) it was "
-                           "0.93-1.01x Python's defaults with the run order balanced, 0.75-1.01x in two calls "
-                           "before (BENCHMARKS.md, issue 25).")
+                           "loop's host time to 0 on the 2-core box, but served on the H200 (256 and 1,000 clients) "
+                           "it was 0.93-1.01x Python's defaults with the run order balanced, 0.75-1.01x in two "
+                           "calls before (BENCHMARKS.md, issue 25).")
     prefill_wait_steps: int | None = Field(None, ge=0, description=(
         "Steps a request arriving while others decode may wait so that prefills coalesce; empty: from the profile."))
     process: Literal["auto", "on", "off"] = Field(

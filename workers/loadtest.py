@@ -73,12 +73,10 @@ class LoadTestBackend(Backend):
 
     def stats(self) -> BackendStats:
         elapsed = max(time.monotonic() - self._started, 1e-6)
-        if self.cfg.batch:
-            return BackendStats(running=self.running, waiting=self.waiting, slots=self.cfg.batch,
-                                queue_max=self.cfg.worker_queue, tokens_per_s=self.generated / elapsed,
-                                generated_tokens=self.generated)
-        return BackendStats(running=self.running, slots=self.cfg.slots, tokens_per_s=self.generated / elapsed,
-                            generated_tokens=self.generated)
+        batch = self.cfg.batch  # with one, the places an engine says it has; without, every accepted stream runs
+        return BackendStats(running=self.running, waiting=self.waiting, slots=batch or self.cfg.slots,
+                            queue_max=self.cfg.worker_queue if batch else None,
+                            tokens_per_s=self.generated / elapsed, generated_tokens=self.generated)
 
     async def close(self) -> None:
         return None

@@ -85,8 +85,8 @@ class StreamServer:
         stats = self.backend.stats()
         if self.draining:
             stats.healthy = False
-        stats.gateways_waiting = sum(n for g, n in self._gateways.items() if g != gateway)
-        stats.other_gateways = sum(1 for g in self._gateways if g != gateway)
+        others = [n for g, n in self._gateways.items() if g != gateway]
+        stats.gateways_waiting, stats.other_gateways = sum(others), len(others)
         return web.Response(body=encode(stats), content_type="application/json")
 
     async def blocks(self, request: web.Request) -> web.Response:
