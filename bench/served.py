@@ -25,6 +25,9 @@ engine rather than after the gateway hears of the end; `--worker-queue N` sets `
 with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `pulse-qgc` (a second `pulse
 serve` like `pulse` whose engine process freezes the built engine out of garbage collection,
 `workers.engine.quiet_gc: on`: the A/B of that setting, off by default since it served no faster on the H200),
+`pulse-att` (a second `pulse serve` like `pulse` whose processes compile the attention kernel with
+`--att-variant`'s PULSE_GPU_ATT_* settings, e.g. "MIN_BLOCKS=2 UNROLL=2": a kernel variant served beside the default;
+bench/attention_gpu.py measures its device time alone),
 `llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads:
 `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it,
 distinct per request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and
@@ -232,7 +235,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
     # pulse-eager its own with mixed steps launched eagerly, pulse-fit its own with arrivals fitted to the graphs
     # (workers.engine.fit_graphs on), pulse-hold its own with a 200 us hand-over hold,
     # pulse-q4 its own with a worker queue of 4 (--worker-queue sets pulse's; unset, the profile's), each pulse-bN its
-    # own with a batch of N (and pulse's worker queue), pulse-qgc its own with quiet_gc on
+    # own with a batch of N (and pulse's worker queue), pulse-qgc its own with quiet_gc on, pulse-att its own with
+    # the attention kernel's --att-variant (environment variables: Ray's workers and the engine process inherit them)
     queue = {} if args.worker_queue is None else {"worker_queue_max": args.worker_queue}
     for name, process, admission, engine, targets in (
             (args.engine_process, args.engine_process, queue,
@@ -249,6 +253,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
              [t for t in args.targets if t == "pulse-hold"]),
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"]),
             ("qgc", args.engine_process, queue, {"quiet_gc": True}, [t for t in args.targets if t == "pulse-qgc"]),
+            ("att", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-att"]),
             *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
               for t in args.targets if batch_of(t))):
         if not targets:
@@ -256,7 +261,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
         port = free_port()
         proc = Proc(f"pulse-{name}", python_module(
             "pulse.cli", "serve", "--config",
-            str(pulse_config(args, port, log_dir, process, name, admission, **engine))), log_dir, env=env)
+            str(pulse_config(args, port, log_dir, process, name, admission, **engine))), log_dir,
+            env={**env, **att_env(args.att_variant)} if name == "att" else env)
         procs.append(proc)
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
         base = f"http://127.0.0.1:{port}"
@@ -307,7 +313,18 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
 
 
 TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
-           "pulse-hold", "pulse-q4", "pulse-qgc", "llama"]
+           "pulse-hold", "pulse-q4", "pulse-qgc", "pulse-att", "llama"]
+
+
+def att_env(variant: str) -> dict[str, str]:
+    """"MIN_BLOCKS=2 UNROLL=2" -> {"PULSE_GPU_ATT_MIN_BLOCKS": "2", "PULSE_GPU_ATT_UNROLL": "2"}."""
+    out = {}
+    for item in variant.split():
+        key, eq, val = item.partition("=")
+        if not (eq and key.isidentifier() and val):
+            raise ValueError(f"--att-variant: {item!r} is not KEY=VALUE")
+        out[f"PULSE_GPU_ATT_{key}"] = val
+    return out
 
 
 def batch_of(target: str) -> int | None:
@@ -354,6 +371,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker-queue", type=int, help=(
         "admission.worker_queue_max for the pulse and pulse-k0 targets (default: unset, so the device profile's "
         "worker_queue, else 4): requests a worker is sent beyond its batch; pulse-q4 runs with 4"))
+    ap.add_argument("--att-variant", default="", help=(
+        "the pulse-att target's attention kernel: PULSE_GPU_ATT_* settings without the prefix, e.g. "
+        "'MIN_BLOCKS=2 UNROLL=2' (workers/cupy/gpu/kernels.py)"))
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.served import _parse, batch_of, body_extra, config_name, pivot, prompts, pulse_config
+from bench.served import _parse, att_env, batch_of, body_extra, config_name, pivot, prompts, pulse_config
 from pulse.config import load_config
 
 
@@ -46,6 +46,15 @@ def test_a_pulse_bn_target_runs_its_engine_at_a_batch_of_n_and_others_are_refuse
         with pytest.raises(SystemExit):
             _parse(["--targets", bad])
         assert "unknown target" in capsys.readouterr().err
+
+
+def test_the_att_variant_becomes_the_kernels_environment_and_a_malformed_one_is_refused():
+    args = _parse(["--targets", "pulse", "pulse-att", "--att-variant", "MIN_BLOCKS=2 UNROLL=2"])
+    assert att_env(args.att_variant) == {"PULSE_GPU_ATT_MIN_BLOCKS": "2", "PULSE_GPU_ATT_UNROLL": "2"}
+    assert att_env("") == {}
+    for bad in ("MIN_BLOCKS", "MIN_BLOCKS=", "=2", "A-B=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            att_env(bad)
 
 
 def test_pivot_has_a_row_per_cell_and_a_column_group_per_target():

@@ -54,6 +54,28 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// N partial sums a lane (N a power of two <= 32) summed over the warp in N - 1 + log2(32 / N) + 1 shuffles instead
+// of 5 N: each halving step keeps half the values (the upper or lower half by the lane's bit b) and adds in the
+// partner's (lane ^ b) copy of them, so the values spread over the lanes. Returns, in every lane, the whole warp's
+// sum of value number lane / (32 / N).
+template <int N>
+__device__ __forceinline__ float warp_sum_many(float (&v)[N]) {
+  const int lane = threadIdx.x & 31;
+  int b = 16;
+#pragma unroll
+  for (int w = N / 2; w >= 1; w /= 2, b /= 2) {
+    const bool upper = lane & b;
+#pragma unroll
+    for (int i = 0; i < w; i++) {
+      const float send = upper ? v[i] : v[i + w], keep = upper ? v[i + w] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, b);
+    }
+  }
+#pragma unroll
+  for (; b > 0; b /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], b);
+  return v[0];
+}
+
 // Sum over the block; `sh` holds >= 32 floats. Leading barrier: `sh` may be reused back to back.
 __device__ float block_sum(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;

@@ -118,6 +118,15 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 #define ATT_UNROLL 4
 #endif
 #define ATT_SBT 64  // >= ATT_CHUNK / 8 + 2: a chunk's entries always fit (block_size >= 8)
+#ifndef ATT_XRED  // the scores' warp sums: 1 = one many-value reduction per batch of keys (warp_sum_many), 0 = one each
+#define ATT_XRED 0
+#endif
+#define ATT_NV (GROUP * ATT_UNROLL)  // scores a warp computes per batch of keys
+#if ATT_XRED && (ATT_NV & (ATT_NV - 1)) == 0 && ATT_NV <= 32
+#define ATT_XRED_ON 1
+#else
+#define ATT_XRED_ON 0  // GROUP x ATT_UNROLL not a power of two <= 32 (e.g. Llama's GROUP 3): one sum per score
+#endif
 #ifndef ATT_MIN_BLOCKS  // blocks per SM the compiler must leave registers for (PULSE_GPU_ATT_MIN_BLOCKS, default 1)
 #define ATT_MIN_BLOCKS 1
 #endif
@@ -232,6 +241,24 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
           load_lane(kc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, kf[u]);
         }
       }
+#if ATT_XRED_ON
+      float sv[ATT_NV];  // score (key u, head g) at u * GROUP + g; keys past the chunk score 0 and are not stored
+#pragma unroll
+      for (int u = 0; u < ATT_UNROLL; u++)
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) {
+          float s = 0.f;
+          if (j0 + u * ATT_WARPS < n)
+#pragma unroll
+            for (int e = 0; e < LANE_DIMS; e++) s += qr[g][e] * kf[u][e];
+          sv[u * GROUP + g] = s;
+        }
+      {
+        const float s = warp_sum_many<ATT_NV>(sv);
+        const int idx = lane / (32 / ATT_NV), j = j0 + idx / GROUP * ATT_WARPS;
+        if (lane % (32 / ATT_NV) == 0 && j < n) sc[idx % GROUP][j] = s;
+      }
+#else
 #pragma unroll
       for (int u = 0; u < ATT_UNROLL; u++) {
         const int j = j0 + u * ATT_WARPS;
@@ -246,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
           }
         }
       }
+#endif
     }
     __syncthreads();
     // chunk softmax: warp g owns head g; probabilities replace the scores in place

@@ -26,8 +26,10 @@ ATT_MAX_SPLIT = 8
 
 
 def attention_splits(n_tokens: int) -> int:
-    """Key splits per decode token: enough blocks to fill the GPU's ~132 SMs at small batches."""
-    return max(1, min(ATT_MAX_SPLIT, 128 // max(n_tokens, 1)))
+    """Key splits per decode token: enough blocks to fill the GPU's ~132 SMs at small batches (PULSE_GPU_ATT_BLOCKS,
+    default 128: the blocks a step aims for)."""
+    target = int(os.environ.get("PULSE_GPU_ATT_BLOCKS", "128"))
+    return max(1, min(ATT_MAX_SPLIT, target // max(n_tokens, 1)))
 _NULL = np.uint64(0)
 
 
@@ -42,8 +44,10 @@ def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
     # attention blocks per SM the compiler keeps registers for: 1 (the default) leaves it free; 2 caps it at 128 a
     # thread. At 256 sequences attention is 46% of the device step, ~8x off its KV-read floor (NOTES.md): to try
     min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "1"))
+    # the scores' warp sums: 1 = one many-value reduction for a warp's batch of keys (warp_sum_many), 0 = one each
+    xred = int(os.environ.get("PULSE_GPU_ATT_XRED", "0"))
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
-               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}")
+               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}", f"-DATT_XRED={xred}")
     code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
     return cp.RawModule(code=code, options=options)
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The attention kernel's variants on the H200 test machine (issue 25), in one call after staging (bench/gpu_served.sh's
+# header: stage-1..N unpacked back to back, the last call carrying .device/stage-N and .device/clean):
+#   cd .device/clean && bash bench/gpu_attention.sh "" "MIN_BLOCKS=2 UNROLL=2" "XRED=1"
+# Each argument is one variant (PULSE_GPU_ATT_* settings without the prefix; "" the defaults): its device time
+# alone at 64/128/256 sequences and 128/512 tokens of context (bench/attention_gpu.py, table and JSON in $OUT), then
+# the kernel tests (tests/gpu/test_kernels.py's attention cases against the NumPy engine) compiled as each variant.
+# ATT_NCU=1 adds Nsight Compute's view of the first variant at 256 sequences where ncu exists.
+set -u
+home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+python3 -m bench.attention_gpu --batches ${ATT_BATCHES:-64 128 256} --ctx ${ATT_CTX:-128 512} --variants "$@" \
+  --json "$out/attention_gpu.json" 2>&1 | tee "$out/attention_gpu.txt" | tail -60
+for v in "$@"; do
+  env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "$v")
+  echo "== tests, variant '${v}'"
+  env $env_v timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py -k attention 2>&1 | tail -3
+done
+if [[ ${ATT_NCU:-0} == 1 ]] && command -v ncu >/dev/null; then
+  env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "${1:-}")
+  env $env_v timeout 180 ncu --kernel-name attention --launch-skip 30 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section LaunchStats python3 -m bench.attention_gpu --batches 256 \
+    --ctx 128 --repeats 1 2>&1 | tail -80 | tee "$out/ncu.txt"
+else
+  echo "ncu: $(command -v ncu || echo absent)"
+fi
