@@ -130,6 +130,126 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 #ifndef ATT_MIN_BLOCKS  // blocks per SM the compiler must leave registers for (PULSE_GPU_ATT_MIN_BLOCKS, default 1)
 #define ATT_MIN_BLOCKS 1
 #endif
+#ifndef ATT_ASYNC  // 1: keys and values reach shared memory by cp.async in tiles, double-buffered (PULSE_GPU_ATT_ASYNC)
+#define ATT_ASYNC 0
+#endif
+#define ATT_TILE (ATT_WARPS * ATT_UNROLL)  // keys a tile (ATT_ASYNC): ATT_UNROLL a warp
+#ifndef ATT_STAGES  // tile buffers (ATT_ASYNC): ATT_STAGES - 1 tiles in flight while one is used (PULSE_GPU_ATT_STAGES)
+#define ATT_STAGES 2
+#endif
+// the warps' partial sums at the end, and (ATT_ASYNC) the two tile buffers before: one shared pool
+#define ATT_RED_BYTES (ATT_WARPS * GROUP * HEAD_DIM * 4)
+#define ATT_TILES_BYTES (ATT_ASYNC ? ATT_STAGES * ATT_TILE * HEAD_DIM * (int)sizeof(act_t) : 0)
+#define ATT_POOL_BYTES (ATT_RED_BYTES > ATT_TILES_BYTES ? ATT_RED_BYTES : ATT_TILES_BYTES)
+
+// ATT_ASYNC: start copying tile s of a chunk's keys (s < n_tiles) or values (s - n_tiles) into tile buffer
+// s % ATT_STAGES, and commit the group (an empty one past the last tile, so that every thread's groups count alike)
+__device__ __forceinline__ void att_copy_tile(int s, int n_tiles, int n, int c0, int b0, int block_size, int NKV,
+                                              int kvh, const act_t* kc, const act_t* vc, const int* sbt, act_t* tiles) {
+  if (s < 2 * n_tiles) {
+    const bool is_v = s >= n_tiles;
+    const int base = (is_v ? s - n_tiles : s) * ATT_TILE;
+    const act_t* src = is_v ? vc : kc;
+    act_t* dst = tiles + (s % ATT_STAGES) * ATT_TILE * HEAD_DIM;
+    constexpr int PIECES = HEAD_DIM * (int)sizeof(act_t) / 16;  // 16-byte copies a key
+    for (int i = threadIdx.x; i < ATT_TILE * PIECES; i += ATT_WARPS * 32) {
+      const int jj = i / PIECES, piece = i % PIECES, kp = c0 + base + jj;
+      if (base + jj < n) {
+        const size_t slot = (size_t)sbt[kp / block_size - b0] * block_size + kp % block_size;
+        cp_async16(dst + jj * HEAD_DIM + piece * 8, src + (slot * NKV + kvh) * HEAD_DIM + piece * 8);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// The scores of a warp's ATT_UNROLL keys kf[u] (key j0 + u * ATT_WARPS of the chunk; keys >= n score nothing)
+// against the GROUP queries, into sc.
+__device__ __forceinline__ void att_scores(const float (&qr)[GROUP][LANE_DIMS],
+                                           const float (&kf)[ATT_UNROLL][LANE_DIMS], int j0, int n,
+                                           float (*sc)[ATT_CHUNK]) {
+  const int lane = threadIdx.x & 31;
+#if ATT_XRED_ON
+  float sv[ATT_NV];  // score (key u, head g) at u * GROUP + g; keys past the chunk score 0 and are not stored
+#pragma unroll
+  for (int u = 0; u < ATT_UNROLL; u++)
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+      float s = 0.f;
+      if (j0 + u * ATT_WARPS < n)
+#pragma unroll
+        for (int e = 0; e < LANE_DIMS; e++) s += qr[g][e] * kf[u][e];
+      sv[u * GROUP + g] = s;
+    }
+  const float s = warp_sum_many<ATT_NV>(sv);
+  const int idx = lane / (32 / ATT_NV), j = j0 + idx / GROUP * ATT_WARPS;
+  if (lane % (32 / ATT_NV) == 0 && j < n) sc[idx % GROUP][j] = s;
+#else
+#pragma unroll
+  for (int u = 0; u < ATT_UNROLL; u++) {
+    const int j = j0 + u * ATT_WARPS;
+    if (j < n) {  // uniform across the warp: the shuffles below are safe
+#pragma unroll
+      for (int g = 0; g < GROUP; g++) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < LANE_DIMS; e++) s += qr[g][e] * kf[u][e];
+        s = warp_sum(s);
+        if (lane == 0) sc[g][j] = s;
+      }
+    }
+  }
+#endif
+}
+
+// acc += the probabilities in sc of a warp's ATT_UNROLL keys times their values vf[u] (as att_scores' keys)
+__device__ __forceinline__ void att_pv(float (&acc)[GROUP][LANE_DIMS], const float (&vf)[ATT_UNROLL][LANE_DIMS],
+                                       int j0, int n, const float (*sc)[ATT_CHUNK]) {
+#pragma unroll
+  for (int u = 0; u < ATT_UNROLL; u++) {
+    const int j = j0 + u * ATT_WARPS;
+    if (j < n) {
+#pragma unroll
+      for (int g = 0; g < GROUP; g++) {
+        const float pg = sc[g][j];
+#pragma unroll
+        for (int e = 0; e < LANE_DIMS; e++) acc[g][e] += pg * vf[u][e];
+      }
+    }
+  }
+}
+
+// A chunk's softmax once every score is in sc (warp g owns head g; probabilities replace the scores in place),
+// then the online rescale of every thread's running max m, sum l and accumulator acc. Barrier inside.
+__device__ __forceinline__ void att_softmax(float (*sc)[ATT_CHUNK], int n, float* chunk_m, float* chunk_s,
+                                            float (&m)[GROUP], float (&l)[GROUP], float (&acc)[GROUP][LANE_DIMS]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp < GROUP) {
+    float cm = -INFINITY;
+    for (int j = lane; j < n; j += 32) cm = fmaxf(cm, sc[warp][j]);
+    cm = fmaxf(warp_max(cm), chunk_m[warp]);
+    float cs = 0.f;
+    for (int j = lane; j < n; j += 32) {
+      const float e = __expf(sc[warp][j] - cm);
+      sc[warp][j] = e;
+      cs += e;
+    }
+    cs = warp_sum(cs);
+    if (lane == 0) {
+      chunk_m[warp] = cm;
+      chunk_s[warp] = cs;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GROUP; g++) {
+    const float alpha = __expf(m[g] - chunk_m[g]);  // 0 on the first chunk (m = -inf)
+    l[g] = l[g] * alpha + chunk_s[g];
+    m[g] = chunk_m[g];
+#pragma unroll
+    for (int e = 0; e < LANE_DIMS; e++) acc[g][e] *= alpha;
+  }
+}
 
 // Paged attention for a flat step of T query tokens (prefill chunks and decode tokens mixed): token t of
 // block-table row tok_row[t] at position pos[t] attends to its sequence's keys [start, pos[t]], start =
@@ -153,7 +273,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
   __shared__ float qs[GROUP + 1][HEAD_DIM];  // fused decode: QK-norm/RoPE exchange, then the queries
   __shared__ float nsh[GROUP + 1][32];
   __shared__ int sbt[ATT_SBT];  // block-table entries: the whole context's when they fit, else one chunk's
-  __shared__ float red[ATT_WARPS][GROUP][HEAD_DIM];
+  __shared__ __align__(16) unsigned char pool[ATT_POOL_BYTES];
+  float(*red)[GROUP][HEAD_DIM] = reinterpret_cast<float(*)[GROUP][HEAD_DIM]>(pool);  // after the key loop
+  act_t* tiles = reinterpret_cast<act_t*>(pool);  // during it (ATT_ASYNC)
   __shared__ float chunk_m[GROUP], chunk_s[GROUP];
   pdl_wait_then_trigger();  // positions, slots and q/k/v come from earlier kernels of the step
   const int t = blockIdx.x, kvh = blockIdx.y, NH = NKV * GROUP;
@@ -228,6 +350,33 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
       for (int i = threadIdx.x; i < nb; i += blockDim.x) sbt[i] = bt[b0 + i];
     }
     __syncthreads();
+#if ATT_ASYNC
+    // keys, then values, in tiles of ATT_TILE copied to shared memory by cp.async into ATT_STAGES buffers: the next
+    // tiles are in flight while one is used, and no register waits for a key (the register-bound loads of the other
+    // path keep few bytes in flight a block, so its reads run far below the memory's rate at full batches: NOTES.md)
+    const int n_tiles = (n + ATT_TILE - 1) / ATT_TILE;
+#pragma unroll
+    for (int s = 0; s < ATT_STAGES - 1; s++)
+      att_copy_tile(s, n_tiles, n, c0, b0, block_size, NKV, kvh, kc, vc, sbt, tiles);
+    for (int s = 0; s < 2 * n_tiles; s++) {
+      cp_async_wait<ATT_STAGES - 2>();  // this thread's copies of tile s have landed
+      __syncthreads();  // everyone's have, and everyone is done with tile s - 1; at s = n_tiles every score is in sc
+      // into tile s - 1's buffer, free now
+      att_copy_tile(s + ATT_STAGES - 1, n_tiles, n, c0, b0, block_size, NKV, kvh, kc, vc, sbt, tiles);
+      if (s == n_tiles) att_softmax(sc, n, chunk_m, chunk_s, m, l, acc);
+      const act_t* tile = tiles + (s % ATT_STAGES) * ATT_TILE * HEAD_DIM;
+      const int j0 = (s < n_tiles ? s : s - n_tiles) * ATT_TILE + warp;
+      float f[ATT_UNROLL][LANE_DIMS];
+#pragma unroll
+      for (int u = 0; u < ATT_UNROLL; u++)
+        if (j0 + u * ATT_WARPS < n) load_lane(tile + (warp + u * ATT_WARPS) * HEAD_DIM + lane * LANE_DIMS, f[u]);
+      if (s < n_tiles)
+        att_scores(qr, f, j0, n, sc);
+      else
+        att_pv(acc, f, j0, n, sc);
+    }
+    __syncthreads();  // the last tile is read before the pool is reused (the warps' sums, the next chunk's tiles)
+#else
     // scores: ATT_UNROLL keys per warp per iteration, all loads issued before the first use (each key's
     // block-table lookup and 16-byte load would otherwise be one full memory latency apiece)
     for (int j0 = warp; j0 < n; j0 += ATT_WARPS * ATT_UNROLL) {
@@ -241,67 +390,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
           load_lane(kc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, kf[u]);
         }
       }
-#if ATT_XRED_ON
-      float sv[ATT_NV];  // score (key u, head g) at u * GROUP + g; keys past the chunk score 0 and are not stored
-#pragma unroll
-      for (int u = 0; u < ATT_UNROLL; u++)
-#pragma unroll
-        for (int g = 0; g < GROUP; g++) {
-          float s = 0.f;
-          if (j0 + u * ATT_WARPS < n)
-#pragma unroll
-            for (int e = 0; e < LANE_DIMS; e++) s += qr[g][e] * kf[u][e];
-          sv[u * GROUP + g] = s;
-        }
-      {
-        const float s = warp_sum_many<ATT_NV>(sv);
-        const int idx = lane / (32 / ATT_NV), j = j0 + idx / GROUP * ATT_WARPS;
-        if (lane % (32 / ATT_NV) == 0 && j < n) sc[idx % GROUP][j] = s;
-      }
-#else
-#pragma unroll
-      for (int u = 0; u < ATT_UNROLL; u++) {
-        const int j = j0 + u * ATT_WARPS;
-        if (j < n) {  // uniform across the warp: the shuffles below are safe
-#pragma unroll
-          for (int g = 0; g < GROUP; g++) {
-            float s = 0.f;
-#pragma unroll
-            for (int e = 0; e < LANE_DIMS; e++) s += qr[g][e] * kf[u][e];
-            s = warp_sum(s);
-            if (lane == 0) sc[g][j] = s;
-          }
-        }
-      }
-#endif
+      att_scores(qr, kf, j0, n, sc);
     }
     __syncthreads();
-    // chunk softmax: warp g owns head g; probabilities replace the scores in place
-    if (warp < GROUP) {
-      float cm = -INFINITY;
-      for (int j = lane; j < n; j += 32) cm = fmaxf(cm, sc[warp][j]);
-      cm = fmaxf(warp_max(cm), chunk_m[warp]);
-      float cs = 0.f;
-      for (int j = lane; j < n; j += 32) {
-        const float e = __expf(sc[warp][j] - cm);
-        sc[warp][j] = e;
-        cs += e;
-      }
-      cs = warp_sum(cs);
-      if (lane == 0) {
-        chunk_m[warp] = cm;
-        chunk_s[warp] = cs;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-      const float alpha = __expf(m[g] - chunk_m[g]);  // 0 on the first chunk (m = -inf)
-      l[g] = l[g] * alpha + chunk_s[g];
-      m[g] = chunk_m[g];
-#pragma unroll
-      for (int e = 0; e < LANE_DIMS; e++) acc[g][e] *= alpha;
-    }
+    att_softmax(sc, n, chunk_m, chunk_s, m, l, acc);
     // P.V, loads batched the same way
     for (int j0 = warp; j0 < n; j0 += ATT_WARPS * ATT_UNROLL) {
       float vf[ATT_UNROLL][LANE_DIMS];
@@ -314,20 +406,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS)
           load_lane(vc + (slot * NKV + kvh) * HEAD_DIM + lane * LANE_DIMS, vf[u]);
         }
       }
-#pragma unroll
-      for (int u = 0; u < ATT_UNROLL; u++) {
-        const int j = j0 + u * ATT_WARPS;
-        if (j < n) {
-#pragma unroll
-          for (int g = 0; g < GROUP; g++) {
-            const float pg = sc[g][j];
-#pragma unroll
-            for (int e = 0; e < LANE_DIMS; e++) acc[g][e] += pg * vf[u][e];
-          }
-        }
-      }
+      att_pv(acc, vf, j0, n, sc);
     }
     __syncthreads();  // sc is overwritten by the next chunk
+#endif
   }
   // combine the warps' partial sums
 #pragma unroll

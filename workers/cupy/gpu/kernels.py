@@ -46,8 +46,11 @@ def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
     min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "1"))
     # the scores' warp sums: 1 = one many-value reduction for a warp's batch of keys (warp_sum_many), 0 = one each
     xred = int(os.environ.get("PULSE_GPU_ATT_XRED", "0"))
+    # keys and values to shared memory by cp.async in tiles (1), ATT_STAGES buffers of them; 0: loads to registers
+    asyn, stages = int(os.environ.get("PULSE_GPU_ATT_ASYNC", "0")), int(os.environ.get("PULSE_GPU_ATT_STAGES", "2"))
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
-               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}", f"-DATT_XRED={xred}")
+               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}", f"-DATT_XRED={xred}",
+               f"-DATT_ASYNC={asyn}", f"-DATT_STAGES={stages}")
     code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
     return cp.RawModule(code=code, options=options)
 
