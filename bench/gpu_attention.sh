@@ -5,18 +5,37 @@
 # Each argument is one variant (PULSE_GPU_ATT_* settings without the prefix; "" the defaults): its device time
 # alone at 64/128/256 sequences and 128/512 tokens of context (bench/attention_gpu.py, table and JSON in $OUT), then
 # the kernel tests (tests/gpu/test_kernels.py's attention cases against the NumPy engine) compiled as each variant.
-# ATT_NCU=1 adds Nsight Compute's view of the first variant at 256 sequences where ncu exists.
+# ATT_NCU=1 adds Nsight Compute's view of the first variant at 256 sequences where ncu exists. The fastest variant
+# that passed is written to ATT_BEST for the served calls after (BENCH_ATT_VARIANT=$(cat /tmp/att_best)).
 set -u
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
 export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 python3 -m bench.attention_gpu --batches ${ATT_BATCHES:-64 128 256} --ctx ${ATT_CTX:-128 512} --variants "$@" \
   --json "$out/attention_gpu.json" 2>&1 | tee "$out/attention_gpu.txt" | tail -60
+: > "$out/attention_passed.txt"
 for v in "$@"; do
   env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "$v")
   echo "== tests, variant '${v}'"
-  env $env_v timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py -k attention 2>&1 | tail -3
+  env $env_v timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py -k attention \
+    > "$out/tests.log" 2>&1 && echo "$v" >> "$out/attention_passed.txt"
+  tail -3 "$out/tests.log"
 done
+# the variant whose device time, against the first's, has the lowest geometric mean over the cases, among those
+# whose tests passed: to ATT_BEST (default /tmp/att_best) for the calls after this one (bench/served.py's pulse-att)
+python3 - "$out/attention_gpu.json" "$out/attention_passed.txt" "${ATT_BEST:-/tmp/att_best}" <<'PY'
+import json, math, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+passed = {line.rstrip("\n") or "defaults" for line in open(sys.argv[2])}
+base = {(r["batch"], r["ctx"]): r["us"] for r in rows if r["variant"] == rows[0]["variant"]}
+score = {}
+for r in rows:
+    score.setdefault(r["variant"], []).append(math.log(r["us"] / base[(r["batch"], r["ctx"])]))
+ranked = sorted((math.exp(sum(v) / len(v)), k) for k, v in score.items() if k in passed)
+for g, k in ranked:
+    print(f"geomean vs {rows[0]['variant']}: {g:.3f}  {k}")
+open(sys.argv[3], "w").write("" if not ranked or ranked[0][1] == "defaults" else ranked[0][1])
+PY
 if [[ ${ATT_NCU:-0} == 1 ]] && command -v ncu >/dev/null; then
   env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "${1:-}")
   env $env_v timeout 180 ncu --kernel-name attention --launch-skip 30 --launch-count 1 --section SpeedOfLight \

@@ -371,9 +371,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker-queue", type=int, help=(
         "admission.worker_queue_max for the pulse and pulse-k0 targets (default: unset, so the device profile's "
         "worker_queue, else 4): requests a worker is sent beyond its batch; pulse-q4 runs with 4"))
-    ap.add_argument("--att-variant", default="", help=(
+    ap.add_argument("--att-variant", default=os.environ.get("BENCH_ATT_VARIANT", ""), help=(
         "the pulse-att target's attention kernel: PULSE_GPU_ATT_* settings without the prefix, e.g. "
-        "'MIN_BLOCKS=2 UNROLL=2' (workers/cupy/gpu/kernels.py)"))
+        "'MIN_BLOCKS=2 UNROLL=2' (workers/cupy/gpu/kernels.py; default: $BENCH_ATT_VARIANT)"))
     ap.add_argument("--profile", help="device profile (default: detected)")
     ap.add_argument("--slot-tokens", type=int, default=4096, help="llama-server KV tokens per slot")
     ap.add_argument("--llama-args", default="", help=(
