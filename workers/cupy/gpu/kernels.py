@@ -26,10 +26,12 @@ ATT_MAX_SPLIT = 8
 
 
 def attention_splits(n_tokens: int) -> int:
-    """Key splits per decode token: enough blocks to fill the GPU's ~132 SMs at small batches (PULSE_GPU_ATT_BLOCKS,
-    default 128: the blocks a step aims for)."""
-    target = int(os.environ.get("PULSE_GPU_ATT_BLOCKS", "128"))
+    """Key splits per decode token: enough blocks to fill the GPU's 132 SMs twice (two attention blocks fit an SM:
+    PULSE_GPU_ATT_BLOCKS, default 264, the blocks a step aims for; 128 before the kernel's 2026-12-04 variants)."""
+    target = int(os.environ.get("PULSE_GPU_ATT_BLOCKS", "264"))
     return max(1, min(ATT_MAX_SPLIT, target // max(n_tokens, 1)))
+
+
 _NULL = np.uint64(0)
 
 
@@ -39,15 +41,16 @@ def argmax_chunks(vocab: int) -> int:
 
 @lru_cache(maxsize=None)
 def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
-    # keys each attention warp loads at once: 8 (254 registers) measured slower than 4 (NOTES.md)
-    unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "4"))
-    # attention blocks per SM the compiler keeps registers for: 1 (the default) leaves it free; 2 caps it at 128 a
-    # thread. At 256 sequences attention is 46% of the device step, ~8x off its KV-read floor (NOTES.md): to try
-    min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "1"))
-    # the scores' warp sums: 1 = one many-value reduction for a warp's batch of keys (warp_sum_many), 0 = one each
-    xred = int(os.environ.get("PULSE_GPU_ATT_XRED", "0"))
-    # keys and values to shared memory by cp.async in tiles (1), ATT_STAGES buffers of them; 0: loads to registers
-    asyn, stages = int(os.environ.get("PULSE_GPU_ATT_ASYNC", "0")), int(os.environ.get("PULSE_GPU_ATT_STAGES", "2"))
+    # The attention kernel's compile-time settings, each PULSE_GPU_ATT_<NAME> (bench/attention_gpu.py times them side
+    # by side; NOTES.md "The full batch" has the table that chose these defaults, 2026-12-04 on the H200):
+    # ASYNC 1: keys and values reach shared memory by cp.async in tiles, STAGES buffers of them (0: loads into
+    #   registers, few bytes in flight a block: 2.4x slower at 256 sequences x 512 tokens);
+    # UNROLL: keys a warp takes at once (a tile is 8 x UNROLL keys); MIN_BLOCKS 2: registers capped at 128 so that
+    #   two blocks share an SM; XRED 1: a warp's scores summed in one many-value reduction (warp_sum_many).
+    unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "2"))
+    min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "2"))
+    xred = int(os.environ.get("PULSE_GPU_ATT_XRED", "1"))
+    asyn, stages = int(os.environ.get("PULSE_GPU_ATT_ASYNC", "1")), int(os.environ.get("PULSE_GPU_ATT_STAGES", "3"))
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
                f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}", f"-DATT_XRED={xred}",
                f"-DATT_ASYNC={asyn}", f"-DATT_STAGES={stages}")
