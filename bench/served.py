@@ -43,12 +43,15 @@ tokens over the run's wall time), TTFT p50 / p99, and for Pulse's GPU engine `ea
 forwards that ran eagerly (a step no CUDA graph fits: a long prompt, or any prompt with `pulse-eager`'s mixed graphs
 off) over all its forwards, from the workers' `forwards_by_path`, `batch_mean` (decoding sequences per forward:
 whether the batch stays full past saturation), `steps_per_s` (forwards over the run's wall time: whether the steps
-slowed) and `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step thread,
-over the run's wall time). Every configuration runs once per repeat, interleaved, reversed and rotated
-(bench/protocol.py); JSON, a Markdown table and a PNG go to --out, and the pivot table (one row per workload x
-sampling x clients) is printed. `--engine-alone` then runs, in the same call once the servers are stopped, the
-worker's engine alone at the same batches, story prompts and sampling (bench/engine_batches.py, no HTTP): its
-`engine` column is the ceiling the served path is measured against (`pulse/engine`).
+slowed), `gc_share` (the seconds the engine's process spent in garbage collection, which stops its step thread, over
+the run's wall time), `step_busy` (the engine's step thread's time in steps over the run's wall time) and
+`wait_share` (of that step time, the part spent getting each step's tokens, i.e. waiting for the device: near 1 the
+device bounds the served steps, near 0 the host's own work per step does). Every configuration runs once per repeat,
+interleaved, reversed and rotated (bench/protocol.py); JSON, a Markdown table and a PNG go to --out, and the pivot
+table (one row per workload x sampling x clients) is printed. `--engine-alone` then runs, in the same call once the
+servers are stopped, the worker's engine alone at the same batches, story prompts and sampling
+(bench/engine_batches.py, no HTTP): its `engine` column is the ceiling the served path is measured against
+(`pulse/engine`).
 """
 from __future__ import annotations
 
@@ -72,9 +75,11 @@ from bench.speculation import EDITS, SOURCES, edit_prompt
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}}
 TABLE_METRICS = ["tok_s", "ttft_p50_ms", "ttft_p99_ms", "ok", "errors", "rate_limited", "eager_share", "batch_mean",
-                 "steps_per_s", "gc_share", "client_cpu"]
+                 "steps_per_s", "gc_share", "step_busy", "wait_share", "client_cpu"]
 SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps beside the forwards by path
 GC_SECONDS = "_gc_seconds"  # forwards()' key for the seconds the engines' processes spent in garbage collection
+STEP_SECONDS = "_step_seconds"  # forwards()' key for the seconds the engines' step threads spent in steps
+WAIT_SECONDS = "_token_wait_seconds"  # ... and of them, getting each step's tokens (waiting on the device)
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
@@ -142,6 +147,7 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             delta = {k: after.get(k, 0) - v for k, v in before.items()}
             seq_steps = delta.pop(SEQ_STEPS, 0)
             gc_s = delta.pop(GC_SECONDS, 0.0)
+            step_s, wait_s = delta.pop(STEP_SECONDS, 0.0), delta.pop(WAIT_SECONDS, 0.0)
             total = sum(delta.values())
             m["forwards"], m["eager_share"] = total, (delta.get("eager", 0) / total if total > 0 else None)
             # past saturation: is the engine's batch kept full (decoding sequences a step) and how fast does it step
@@ -149,6 +155,10 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             m["steps_per_s"] = total / m["wall_s"] if m.get("wall_s") else None
             # the share of the run's wall time the engines' processes spent collecting garbage (every thread stopped)
             m["gc_share"] = gc_s / m["wall_s"] if m.get("wall_s") else None
+            # how busy the step threads were (their step time over the wall time; > 1 with several workers), and the
+            # share of that time spent waiting for steps' tokens: near 1 the device bounds the steps, near 0 the host
+            m["step_busy"] = step_s / m["wall_s"] if m.get("wall_s") and step_s else None
+            m["wait_share"] = wait_s / step_s if step_s > 0 else None
         with partial.open("a") as f:
             f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
         print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}, "
@@ -177,6 +187,8 @@ def forwards(base: str) -> dict[str, int]:
         if stats.get("forwards_by_path"):
             total[SEQ_STEPS] = total.get(SEQ_STEPS, 0) + sum(stats.get("steps_by_k") or ())
             total[GC_SECONDS] = total.get(GC_SECONDS, 0.0) + (stats.get("gc_seconds") or 0.0)
+            total[STEP_SECONDS] = total.get(STEP_SECONDS, 0.0) + (stats.get("step_seconds") or 0.0)
+            total[WAIT_SECONDS] = total.get(WAIT_SECONDS, 0.0) + (stats.get("token_wait_seconds") or 0.0)
     return total
 
 

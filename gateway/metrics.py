@@ -246,6 +246,9 @@ _WORKER_COUNTERS = (
     ("pulse_worker_generated_tokens", "Tokens generated since the worker started.", "generated_tokens"),
     ("pulse_worker_engine_steps_ahead", "Engine steps launched before the step before them was read (overlap).",
      "steps_ahead"),
+    ("pulse_worker_engine_step_seconds", "Time the engine's step thread spent in steps.", "step_seconds"),
+    ("pulse_worker_engine_token_wait_seconds", "Of the engine's step time, getting each step's tokens (a GPU engine: "
+     "waiting for the device).", "token_wait_seconds"),
     ("pulse_worker_pipeline_transfer_seconds", "Time a pipelined engine spent moving activations between stages.",
      "pipeline_transfer_seconds"),
     ("pulse_worker_pipeline_transfer_bytes", "Activation bytes moved between pipeline stages.",

@@ -190,3 +190,16 @@ def test_speculation_state_of_ended_requests_is_dropped_while_steps_run_ahead():
     drive(on, requests(lengths=(3, 4, 2, 5, 3, 2, 4, 3, 2, 5, 3, 4)))
     assert on.steps_ahead > 10
     assert len(spec._seqs) <= 3, f"{len(spec._seqs)} requests' speculation state kept after they ended"
+
+
+def test_the_step_thread_times_its_steps_and_the_waits_for_their_tokens():
+    """step_seconds and token_wait_seconds (engine_snapshot's fields; bench/served.py's step_busy and wait_share)
+    advance with every step, overlapped or not, and the wait is a part of the step time."""
+    from workers.cupy.engine_loop import engine_snapshot
+
+    for overlap in (False, True):
+        eng = make_engine(overlap=overlap)
+        assert (eng.step_seconds, eng.token_wait_seconds) == (0.0, 0.0)
+        drive(eng, requests(T1, (4, 6)))
+        snap = engine_snapshot(eng)
+        assert 0.0 < snap["token_wait_seconds"] < snap["step_seconds"] == eng.step_seconds

@@ -81,6 +81,11 @@ class Engine:
         # requests whose every step needs the host between steps (logprobs, penalties, a grammar): never ahead
         self._host_bound: set[str] = set()
         self.steps_ahead = 0  # steps launched before the previous one was read (stats)
+        # cumulative seconds in step() that produced a step, and the part of them spent in _read getting a step's
+        # tokens (on a device engine: waiting for the device to finish the step, then the copy): their ratio says
+        # whether a busy step thread waits on the device or on its own host work (bench/served.py's wait_share)
+        self.step_seconds = 0.0
+        self.token_wait_seconds = 0.0
 
     @property
     def capacity_tokens(self) -> int:
@@ -175,8 +180,10 @@ class Engine:
     def _stepped(self, outputs: list[StepOutput], prefilled: int, t0: float) -> list[StepOutput]:
         self.blocks.flush_events()
         emitted = self._record(outputs, prefilled)
+        took = time.perf_counter() - t0
+        self.step_seconds += took
         if self.speculator is not None:
-            self.speculator.observe(emitted, prefilled, time.perf_counter() - t0)
+            self.speculator.observe(emitted, prefilled, took)
         return outputs
 
     def _launch(self, scheduled: list[tuple[Sequence, int]], ids=None) -> _Launched:
@@ -259,10 +266,12 @@ class Engine:
 
     def _read(self, cur: _Launched) -> list[StepOutput]:
         """`cur`'s tokens appended (or put in place of their placeholders) and its step outputs."""
+        t0 = time.perf_counter()
         if cur.ready is not None:
             tokens, logprobs = cur.ready()
         else:
             tokens, logprobs = self.choose(cur.logits, cur.rows, [s.request_id for s in cur.seqs], seqs=cur.seqs)
+        self.token_wait_seconds += time.perf_counter() - t0
         return self.append_tokens(cur.seqs, tokens.tolist(), None, logprobs, cur.at,
                                   cur.early if cur.ahead or cur.early else None)
 

@@ -253,6 +253,8 @@ def engine_snapshot(eng) -> dict:
         "prefill_tokens_per_s": prefill, "preemptions": eng.scheduler.preemptions,
         "forwards_by_path": dict(getattr(eng.model, "step_kinds", None) or {}),
         "steps_ahead": getattr(eng, "steps_ahead", 0),
+        "step_seconds": getattr(eng, "step_seconds", 0.0),
+        "token_wait_seconds": getattr(eng, "token_wait_seconds", 0.0),
         "gc_seconds": GcClock.installed().seconds,
         "gc_frozen": gc.get_freeze_count(),
     }
