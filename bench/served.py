@@ -80,6 +80,7 @@ SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps besi
 GC_SECONDS = "_gc_seconds"  # forwards()' key for the seconds the engines' processes spent in garbage collection
 STEP_SECONDS = "_step_seconds"  # forwards()' key for the seconds the engines' step threads spent in steps
 WAIT_SECONDS = "_token_wait_seconds"  # ... and of them, getting each step's tokens (waiting on the device)
+PHASE = "_phase:"  # forwards()' key prefix for the step threads' seconds by part of a step (Engine.phase_seconds)
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a dragon who hates fire", "a night train",
@@ -148,6 +149,7 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             seq_steps = delta.pop(SEQ_STEPS, 0)
             gc_s = delta.pop(GC_SECONDS, 0.0)
             step_s, wait_s = delta.pop(STEP_SECONDS, 0.0), delta.pop(WAIT_SECONDS, 0.0)
+            phases = {k[len(PHASE):]: delta.pop(k) for k in [k for k in delta if k.startswith(PHASE)]}
             total = sum(delta.values())
             m["forwards"], m["eager_share"] = total, (delta.get("eager", 0) / total if total > 0 else None)
             # past saturation: is the engine's batch kept full (decoding sequences a step) and how fast does it step
@@ -159,10 +161,18 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
             # share of that time spent waiting for steps' tokens: near 1 the device bounds the steps, near 0 the host
             m["step_busy"] = step_s / m["wall_s"] if m.get("wall_s") and step_s else None
             m["wait_share"] = wait_s / step_s if step_s > 0 else None
+            # the step thread's time by part of a step (and between steps), each over the run's wall time: where a
+            # host-bound step goes (the token wait is wait_share x step_busy; the rest of step_busy is unnamed)
+            if phases and m.get("wall_s"):
+                m["phases"] = {k: v / m["wall_s"] for k, v in phases.items()}
         with partial.open("a") as f:
             f.write(json.dumps({"config": name, "time": time.time(), **out}) + "\n")
         print(f"{name}: {m['tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms'] or 0:.1f} ms, ok {m['ok']}/{m['requests']}, "
               f"client CPU {m.get('client_cpu') or 0:.2f} cores", flush=True)
+        if m.get("phases"):  # the engine step thread's time by part, shares of the wall time
+            print(f"  step thread: busy {m.get('step_busy') or 0:.2f}, waiting on the device "
+                  f"{(m.get('step_busy') or 0) * (m.get('wait_share') or 0):.2f}; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in m["phases"].items()), flush=True)
         return out
 
     return measure
@@ -189,6 +199,8 @@ def forwards(base: str) -> dict[str, int]:
             total[GC_SECONDS] = total.get(GC_SECONDS, 0.0) + (stats.get("gc_seconds") or 0.0)
             total[STEP_SECONDS] = total.get(STEP_SECONDS, 0.0) + (stats.get("step_seconds") or 0.0)
             total[WAIT_SECONDS] = total.get(WAIT_SECONDS, 0.0) + (stats.get("token_wait_seconds") or 0.0)
+            for name, sec in (stats.get("step_phase_seconds") or {}).items():
+                total[PHASE + name] = total.get(PHASE + name, 0.0) + sec
     return total
 
 

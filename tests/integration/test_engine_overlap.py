@@ -203,3 +203,34 @@ def test_the_step_thread_times_its_steps_and_the_waits_for_their_tokens():
         drive(eng, requests(T1, (4, 6)))
         snap = engine_snapshot(eng)
         assert 0.0 < snap["token_wait_seconds"] < snap["step_seconds"] == eng.step_seconds
+        parts = snap["step_phase_seconds"]
+        for name in ("schedule", "build", "forward", "append", "commit"):
+            assert parts[name] > 0.0, name
+        # the parts inside a step, with the wait, are at most the step time (the rest: the step's own glue)
+        inside = sum(parts[k] for k in ("schedule", "build", "forward", "append", "commit", "speculate"))
+        assert inside + snap["token_wait_seconds"] <= snap["step_seconds"]
+
+
+def test_the_loop_times_its_hand_overs_between_steps():
+    """EngineLoop adds the time it spends handing outputs over to the engine's phase_seconds["handover"]."""
+    import threading
+    import time
+
+    from workers.cupy.engine_loop import STOP, EngineLoop
+
+    eng = make_engine(overlap=True)
+    finals: list = []
+    loop = EngineLoop(eng, emit=lambda outs: finals.extend(o for o in outs if o.finish_reason),
+                      emit_one=lambda rid, item: None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    for r in requests(T1, (4, 6)):
+        loop.inbox.put(("add", r))
+    deadline = time.monotonic() + 120
+    while len(finals) < 2:
+        assert time.monotonic() < deadline, "the requests did not finish"
+        time.sleep(0.01)
+    loop.inbox.put((STOP, None))
+    thread.join(60)
+    assert not thread.is_alive()
+    assert eng.phase_seconds["handover"] > 0.0

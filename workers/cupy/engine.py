@@ -41,6 +41,12 @@ class StepOutput(msgspec.Struct, array_like=True):
     accepted_tokens: int = 0
 
 
+# Engine.phase_seconds' parts of a step: scheduling (both schedule() calls), building a step's inputs (batch, sample
+# rows, the sampler's staging), launching its forward (the model's host side), appending the read tokens, committing
+# full blocks, a speculative step whole (propose and verify); then EngineLoop's, between steps: handing outputs over
+# and applying queued adds and aborts. The wait for a step's tokens is token_wait_seconds.
+PHASES = ("schedule", "build", "forward", "append", "commit", "speculate", "handover", "inbox")
+
 @dataclass(eq=False)
 class _Launched:
     """A step whose forward (and on a GPU its draw) is launched and whose tokens are not read yet."""
@@ -86,6 +92,9 @@ class Engine:
         # whether a busy step thread waits on the device or on its own host work (bench/served.py's wait_share)
         self.step_seconds = 0.0
         self.token_wait_seconds = 0.0
+        # the step thread's cumulative seconds by part of a step (and, from EngineLoop, between steps): where a
+        # host-bound step goes, read from the served engine's stats without a profiler (bench/served.py's phases)
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
 
     @property
     def capacity_tokens(self) -> int:
@@ -157,23 +166,31 @@ class Engine:
         waiting request), one that N finishes on a stop token has its N + 1 row dropped when N + 1 is read
         (its KV write there lands in blocks it gave back, before anything later on the stream reuses them).
         Only steps whose draws the device makes are launched ahead (_launch_ahead says which)."""
-        t0 = time.perf_counter()
+        t0 = clock = time.perf_counter()
+        ph = self.phase_seconds
         cur, self._ahead = self._ahead, None
         if cur is None:
             scheduled = self.scheduler.schedule(self._graph_tokens())
+            ph["schedule"] += (now := time.perf_counter()) - clock
             if not scheduled:
                 self.blocks.flush_events()
                 return []
             drafts = self.speculator.propose(self, scheduled) if self.speculator is not None else None
             if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
                 outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
+                ph["speculate"] += time.perf_counter() - now
                 return self._stepped(outputs, prefilled, t0)
+            ph["speculate"] += time.perf_counter() - now  # proposing none
             cur = self._launch(scheduled)
+            clock = time.perf_counter()
             self.blocks.commit_steps(cur.ran)
+            ph["commit"] += time.perf_counter() - clock
         nxt = self._launch_ahead(cur) if self.overlap else None
         outputs = self._read(cur)
         if nxt is not None:  # its sequences' tokens are all known now: blocks it filled can be hashed
+            clock = time.perf_counter()
             self.blocks.commit_steps([seq for seq in nxt.ran if seq.status is SeqStatus.RUNNING])
+            ph["commit"] += time.perf_counter() - clock
             self._ahead = nxt
         return self._stepped(outputs, cur.prefilled, t0)
 
@@ -189,15 +206,20 @@ class Engine:
     def _launch(self, scheduled: list[tuple[Sequence, int]], ids=None) -> _Launched:
         """Build and launch a step of `scheduled` (sequence, new tokens); `ids`: (the previous step's held
         draws, {sequence: its index there}) for the sequences whose input is a PENDING token."""
+        t0 = time.perf_counter()
         batch = build_batch(scheduled, self.blocks.block_size, self.model.xp, tables=self.blocks.tables)
         seqs = [scheduled[b][0] for b in batch.sample_rows]
         if ids is not None:
             self._take_pending(batch, scheduled, *ids)
         rows = self.sample_rows(seqs)  # built once: staged for the draw, then read back
         self.sampler.stage(rows)
+        t1 = time.perf_counter()
         logits = self.model.forward(batch, self.kv)
         for seq, n in scheduled:
             seq.num_computed += n
+        ph = self.phase_seconds
+        ph["build"] += t1 - t0
+        ph["forward"] += time.perf_counter() - t1
         return _Launched(seqs, rows, logits, batch.num_tokens - len(seqs), ran=[seq for seq, _ in scheduled])
 
     def _take_pending(self, batch, scheduled, draws, index: dict) -> None:
@@ -256,7 +278,9 @@ class Engine:
             self._finish(s, "length")  # its output comes with cur's read
         for s in going:
             s.token_ids.append(PENDING)
+        t0 = time.perf_counter()
         scheduled = sched.schedule(self._graph_tokens())
+        self.phase_seconds["schedule"] += time.perf_counter() - t0
         if not scheduled:
             return None
         nxt = self._launch(scheduled, (held[0], index))
@@ -271,9 +295,12 @@ class Engine:
             tokens, logprobs = cur.ready()
         else:
             tokens, logprobs = self.choose(cur.logits, cur.rows, [s.request_id for s in cur.seqs], seqs=cur.seqs)
-        self.token_wait_seconds += time.perf_counter() - t0
-        return self.append_tokens(cur.seqs, tokens.tolist(), None, logprobs, cur.at,
-                                  cur.early if cur.ahead or cur.early else None)
+        t1 = time.perf_counter()
+        self.token_wait_seconds += t1 - t0
+        outputs = self.append_tokens(cur.seqs, tokens.tolist(), None, logprobs, cur.at,
+                                     cur.early if cur.ahead or cur.early else None)
+        self.phase_seconds["append"] += time.perf_counter() - t1
+        return outputs
 
     def _record(self, outputs: list[StepOutput], prefilled: int) -> int:
         """A finished step's generated and prefilled tokens, for rates(); returns the generated count."""

@@ -120,9 +120,12 @@ class EngineLoop:
             idle = not eng.has_work()
             if idle:
                 self._hand_over()
+            t0 = time.perf_counter()
             if not self._drain_inbox(block=idle):
                 self._hand_over()
                 return
+            if not idle:  # a blocking wait for work is idle time, not the thread's work
+                self._phase("inbox", t0)
             if not eng.has_work():
                 continue
             try:
@@ -136,7 +139,14 @@ class EngineLoop:
                     self._fail_all(eng, f"engine step failed: {exc}")
                 continue
             if outputs or self._outbox:  # a step with no outputs (a prefill-only step) hands over what is held
+                t0 = time.perf_counter()
                 self._keep(outputs)
+                self._phase("handover", t0)
+
+    def _phase(self, name: str, t0: float) -> None:
+        phases = getattr(self.engine, "phase_seconds", None)  # Engine.phase_seconds (an engine stand-in may lack it)
+        if phases is not None:
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
     def _keep(self, outputs: list) -> None:
         """Add a step's outputs to the outbox; hand it over when handover_due says so. A request's first token
@@ -255,6 +265,7 @@ def engine_snapshot(eng) -> dict:
         "steps_ahead": getattr(eng, "steps_ahead", 0),
         "step_seconds": getattr(eng, "step_seconds", 0.0),
         "token_wait_seconds": getattr(eng, "token_wait_seconds", 0.0),
+        "step_phase_seconds": dict(getattr(eng, "phase_seconds", None) or {}),
         "gc_seconds": GcClock.installed().seconds,
         "gc_frozen": gc.get_freeze_count(),
     }

@@ -136,6 +136,8 @@ class BackendStats(msgspec.Struct):
     gc_seconds: float = 0.0  # cumulative seconds the cyclic garbage collector ran in the engine's process
     step_seconds: float = 0.0  # cumulative seconds the engine's step thread spent in steps
     token_wait_seconds: float = 0.0  # of them, getting a step's tokens (a device engine: waiting on the device)
+    # the step thread's cumulative seconds by part (workers/cupy/engine.py PHASES): {"schedule": s, "build": s, ...}
+    step_phase_seconds: dict[str, float] = {}
     gc_frozen: int = 0  # objects frozen out of its collections (workers.engine.quiet_gc); 0: Python's defaults
     pipeline_transport: str = ""  # pipelined engine: how activations move between stages ("" = no pipeline)
     pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops
