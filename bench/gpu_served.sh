@@ -36,6 +36,13 @@
 #   TARGETS="pulse pulse-qgc" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
 #     --warmup 1 --duration 40 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=480
 #     bash bench/gpu_served.sh story
+# Two engines sharing the GPU (pulse-w2: workers.count 2, each its own engine process) against one, where the served
+# full-batch step is the engine's host work (2026-12-04: waiting on the device 3% of the step at 256 clients); the
+# per-run lines print the step threads' time by part (busy, waiting on the device, schedule, build, forward, ...):
+#   TARGETS="pulse pulse-w2" SERVED_ARGS="--clients 64 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
+#     --warmup 1 --duration 30 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=560
+#     bash bench/gpu_served.sh story
+# The attention kernel's variants alone and served: bench/gpu_attention.sh, then pulse-att with BENCH_ATT_VARIANT.
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}

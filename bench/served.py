@@ -25,7 +25,10 @@ engine rather than after the gateway hears of the end; `--worker-queue N` sets `
 with `--profile-batch`, beside `pulse`, the served A/B of the profile's batch size), `pulse-qgc` (a second `pulse
 serve` like `pulse` whose engine process freezes the built engine out of garbage collection,
 `workers.engine.quiet_gc: on`: the A/B of that setting, off by default since it served no faster on the H200),
-`pulse-att` (a second `pulse serve` like `pulse` whose processes compile the attention kernel with
+`pulse-w2` (a second `pulse serve` like `pulse` with two workers sharing the GPU, `workers.count: 2`, each with its
+own engine process and the profile's batch: where the served step is bound by one engine's host work, the A/B of a
+second host thread on the same device; at 256 clients each runs ~128 sequences, past 512 up to twice `pulse`'s
+batch in all), `pulse-att` (a second `pulse serve` like `pulse` whose processes compile the attention kernel with
 `--att-variant`'s PULSE_GPU_ATT_* settings, e.g. "MIN_BLOCKS=2 UNROLL=2": a kernel variant served beside the default;
 bench/attention_gpu.py measures its device time alone),
 `llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads:
@@ -212,13 +215,13 @@ def counter():
 
 
 def pulse_config(args, port: int, log_dir: Path, process: str = "auto", name: str = "", admission: dict | None = None,
-                 **engine) -> Path:
+                 workers: int = 1, **engine) -> Path:
     """`process`: workers.engine.process (auto: the engine in a process of its own on a GPU; "off" for the
     pulse-inproc target, the engine's step thread in the worker's process as before that split); `admission`:
     admission settings (--worker-queue); `engine`: more workers.engine settings (the pulse-w0 target's
-    prefill_wait_steps)."""
+    prefill_wait_steps); `workers`: workers.count (2 for pulse-w2: two engines sharing the GPU)."""
     cfg = {"server": {"port": port, "host": "127.0.0.1"},
-           "workers": {"backend": "cupy", "count": 1,
+           "workers": {"backend": "cupy", "count": workers,
                        "engine": {"device": args.device, "process": process,
                                   **({} if args.profile_batch else {"max_num_seqs": max(args.clients)}), **engine}},
            "keys": {"file": str(log_dir / "keys.json")}, "telemetry": {"log_level": "WARNING"}}
@@ -278,6 +281,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("q4", args.engine_process, {"worker_queue_max": 4}, {}, [t for t in args.targets if t == "pulse-q4"]),
             ("qgc", args.engine_process, queue, {"quiet_gc": True}, [t for t in args.targets if t == "pulse-qgc"]),
             ("att", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-att"]),
+            ("w2", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-w2"]),
             *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
               for t in args.targets if batch_of(t))):
         if not targets:
@@ -285,7 +289,8 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
         port = free_port()
         proc = Proc(f"pulse-{name}", python_module(
             "pulse.cli", "serve", "--config",
-            str(pulse_config(args, port, log_dir, process, name, admission, **engine))), log_dir,
+            str(pulse_config(args, port, log_dir, process, name, admission, workers=2 if name == "w2" else 1,
+                             **engine))), log_dir,
             env={**env, **att_env(args.att_variant)} if name == "att" else env)
         procs.append(proc)
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
@@ -337,7 +342,7 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
 
 
 TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
-           "pulse-hold", "pulse-q4", "pulse-qgc", "pulse-att", "llama"]
+           "pulse-hold", "pulse-q4", "pulse-qgc", "pulse-att", "pulse-w2", "llama"]
 
 
 def att_env(variant: str) -> dict[str, str]:

@@ -48,6 +48,12 @@ def test_a_pulse_bn_target_runs_its_engine_at_a_batch_of_n_and_others_are_refuse
         assert "unknown target" in capsys.readouterr().err
 
 
+def test_pulse_w2_runs_two_workers_on_the_device(tmp_path):
+    args = _parse(["--targets", "pulse", "pulse-w2", "--profile-batch"])
+    assert load_config(pulse_config(args, 8128, tmp_path, "on", "w2", {}, workers=2)).workers.count == 2
+    assert load_config(pulse_config(args, 8129, tmp_path, "on", "on", {})).workers.count == 1
+
+
 def test_the_att_variant_becomes_the_kernels_environment_and_a_malformed_one_is_refused():
     args = _parse(["--targets", "pulse", "pulse-att", "--att-variant", "MIN_BLOCKS=2 UNROLL=2"])
     assert att_env(args.att_variant) == {"PULSE_GPU_ATT_MIN_BLOCKS": "2", "PULSE_GPU_ATT_UNROLL": "2"}
