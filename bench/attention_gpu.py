@@ -77,6 +77,7 @@ def kernels_for(variant: str):
         key, _, val = item.partition("=")
         os.environ[f"PULSE_GPU_ATT_{key}"] = val
     km._module.cache_clear()
+    km.attention_settings.cache_clear()
     k = km.Kernels(HD, GROUP, "float16")
     f = k._f["attention"]
     return k, {a: getattr(f, a, None) for a in ("num_regs", "local_size_bytes", "shared_size_bytes")}

@@ -83,6 +83,7 @@ SEQ_STEPS = "_seq_steps"  # forwards()' key for the decoding sequence-steps besi
 GC_SECONDS = "_gc_seconds"  # forwards()' key for the seconds the engines' processes spent in garbage collection
 STEP_SECONDS = "_step_seconds"  # forwards()' key for the seconds the engines' step threads spent in steps
 WAIT_SECONDS = "_token_wait_seconds"  # ... and of them, getting each step's tokens (waiting on the device)
+ATTENTION = "_attention"  # forwards()' key for the attention kernel's settings a worker compiled (not summed)
 PHASE = "_phase:"  # forwards()' key prefix for the step threads' seconds by part of a step (Engine.phase_seconds)
 STATS_POLL_S = 0.5  # the gateway's worker stats poll (gateway/pool.py WorkerPool's poll_interval_s)
 PLOT_METRICS = ["tok_s", "ttft_p50_ms"]
@@ -148,6 +149,9 @@ def make_measure(args, base: str, model: str, target: str, workload: str, sampli
         if before:  # a Pulse GPU worker: the share of this run's forwards that ran eagerly (no graph)
             await asyncio.sleep(2 * STATS_POLL_S)  # the gateway's view of the workers lags one stats poll
             after = await asyncio.to_thread(forwards, base)
+            before.pop(ATTENTION, None)
+            if ATTENTION in after:  # which attention kernel served the run (pulse-att's variant, or the defaults)
+                m["attention"] = after.pop(ATTENTION)
             delta = {k: after.get(k, 0) - v for k, v in before.items()}
             seq_steps = delta.pop(SEQ_STEPS, 0)
             gc_s = delta.pop(GC_SECONDS, 0.0)
@@ -204,6 +208,8 @@ def forwards(base: str) -> dict[str, int]:
             total[WAIT_SECONDS] = total.get(WAIT_SECONDS, 0.0) + (stats.get("token_wait_seconds") or 0.0)
             for name, sec in (stats.get("step_phase_seconds") or {}).items():
                 total[PHASE + name] = total.get(PHASE + name, 0.0) + sec
+            if stats.get("attention_settings"):
+                total[ATTENTION] = stats["attention_settings"]
     return total
 
 

@@ -110,11 +110,12 @@ def test_forwards_sums_paths_and_decoding_sequence_steps_over_gpu_workers():
     import json
     import threading
 
-    from bench.served import GC_SECONDS, PHASE, SEQ_STEPS, STEP_SECONDS, WAIT_SECONDS, forwards
+    from bench.served import ATTENTION, GC_SECONDS, PHASE, SEQ_STEPS, STEP_SECONDS, WAIT_SECONDS, forwards
 
     workers = {"workers": [
         {"stats": {"forwards_by_path": {"graph": 10, "eager": 2}, "steps_by_k": [30, 4, 2], "gc_seconds": 0.25,
-                   "step_seconds": 2.0, "token_wait_seconds": 0.5, "step_phase_seconds": {"build": 0.25}}},
+                   "step_seconds": 2.0, "token_wait_seconds": 0.5, "step_phase_seconds": {"build": 0.25},
+                   "attention_settings": {"ASYNC": 1}}},
         {"stats": {"forwards_by_path": {"graph": 5}, "steps_by_k": [7], "gc_seconds": 0.5}},  # an older worker
         {"stats": {"tokens_per_s": 1.0}},  # llama-server: no forwards, its steps are not counted
     ]}
@@ -139,4 +140,4 @@ def test_forwards_sums_paths_and_decoding_sequence_steps_over_gpu_workers():
         srv.shutdown()
         srv.server_close()
     assert got == {"graph": 15, "eager": 2, SEQ_STEPS: 43, GC_SECONDS: 0.75, STEP_SECONDS: 2.0, WAIT_SECONDS: 0.5,
-                   PHASE + "build": 0.25}
+                   PHASE + "build": 0.25, ATTENTION: {"ASYNC": 1}}

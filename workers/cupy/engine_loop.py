@@ -266,6 +266,9 @@ def engine_snapshot(eng) -> dict:
         "step_seconds": getattr(eng, "step_seconds", 0.0),
         "token_wait_seconds": getattr(eng, "token_wait_seconds", 0.0),
         "step_phase_seconds": dict(getattr(eng, "phase_seconds", None) or {}),
+        # the GPU attention kernel's compile-time settings (workers/cupy/gpu/kernels.py), {} without one
+        "attention_settings": dict(getattr(getattr(getattr(eng, "model", None), "kernels", None), "att_settings",
+                                           None) or {}),
         "gc_seconds": GcClock.installed().seconds,
         "gc_frozen": gc.get_freeze_count(),
     }

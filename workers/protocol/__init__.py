@@ -138,6 +138,7 @@ class BackendStats(msgspec.Struct):
     token_wait_seconds: float = 0.0  # of them, getting a step's tokens (a device engine: waiting on the device)
     # the step thread's cumulative seconds by part (workers/cupy/engine.py PHASES): {"schedule": s, "build": s, ...}
     step_phase_seconds: dict[str, float] = {}
+    attention_settings: dict[str, int] = {}  # the GPU attention kernel's compile-time settings ({}: none)
     gc_frozen: int = 0  # objects frozen out of its collections (workers.engine.quiet_gc); 0: Python's defaults
     pipeline_transport: str = ""  # pipelined engine: how activations move between stages ("" = no pipeline)
     pipeline_transfer_seconds: float = 0.0  # cumulative time moving activations, all hops

@@ -25,11 +25,25 @@ MLP_F = 16  # as in gemv.cu
 ATT_MAX_SPLIT = 8
 
 
+# The attention kernel's settings, each overridden by PULSE_GPU_ATT_<NAME> (bench/attention_gpu.py times them side by
+# side; workers/cupy/gpu/NOTES.md "The full batch" has the table that chose these defaults, 2026-12-04 on the H200):
+# ASYNC 1: keys and values reach shared memory by cp.async in tiles, STAGES buffers of them (0: loads into registers,
+#   few bytes in flight a block: 2.4x slower at 256 sequences x 512 tokens); UNROLL: keys a warp takes at once (a tile
+#   is 8 x UNROLL keys); MIN_BLOCKS 2: registers capped at 128 so that two blocks share an SM; XRED 1: a warp's scores
+#   summed in one many-value reduction (warp_sum_many); BLOCKS: the blocks a decode step's key splits aim for (two an
+#   SM on the H200's 132; 128 before these defaults).
+ATT_DEFAULTS = {"ASYNC": 1, "STAGES": 3, "UNROLL": 2, "MIN_BLOCKS": 2, "XRED": 1, "BLOCKS": 264}
+
+
+@lru_cache(maxsize=1)
+def attention_settings() -> dict[str, int]:
+    """ATT_DEFAULTS with the environment's overrides, read once a process (cache_clear() to read them again)."""
+    return {k: int(os.environ.get(f"PULSE_GPU_ATT_{k}", v)) for k, v in ATT_DEFAULTS.items()}
+
+
 def attention_splits(n_tokens: int) -> int:
-    """Key splits per decode token: enough blocks to fill the GPU's 132 SMs twice (two attention blocks fit an SM:
-    PULSE_GPU_ATT_BLOCKS, default 264, the blocks a step aims for; 128 before the kernel's 2026-12-04 variants)."""
-    target = int(os.environ.get("PULSE_GPU_ATT_BLOCKS", "264"))
-    return max(1, min(ATT_MAX_SPLIT, target // max(n_tokens, 1)))
+    """Key splits per decode token: enough blocks to fill the GPU's SMs (the BLOCKS setting) at small batches."""
+    return max(1, min(ATT_MAX_SPLIT, attention_settings()["BLOCKS"] // max(n_tokens, 1)))
 
 
 _NULL = np.uint64(0)
@@ -41,19 +55,9 @@ def argmax_chunks(vocab: int) -> int:
 
 @lru_cache(maxsize=None)
 def _module(head_dim: int, group: int, bf16: bool) -> cp.RawModule:
-    # The attention kernel's compile-time settings, each PULSE_GPU_ATT_<NAME> (bench/attention_gpu.py times them side
-    # by side; NOTES.md "The full batch" has the table that chose these defaults, 2026-12-04 on the H200):
-    # ASYNC 1: keys and values reach shared memory by cp.async in tiles, STAGES buffers of them (0: loads into
-    #   registers, few bytes in flight a block: 2.4x slower at 256 sequences x 512 tokens);
-    # UNROLL: keys a warp takes at once (a tile is 8 x UNROLL keys); MIN_BLOCKS 2: registers capped at 128 so that
-    #   two blocks share an SM; XRED 1: a warp's scores summed in one many-value reduction (warp_sum_many).
-    unroll = int(os.environ.get("PULSE_GPU_ATT_UNROLL", "2"))
-    min_blocks = int(os.environ.get("PULSE_GPU_ATT_MIN_BLOCKS", "2"))
-    xred = int(os.environ.get("PULSE_GPU_ATT_XRED", "1"))
-    asyn, stages = int(os.environ.get("PULSE_GPU_ATT_ASYNC", "1")), int(os.environ.get("PULSE_GPU_ATT_STAGES", "3"))
+    att = attention_settings()
     options = ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DACT_BF16={int(bf16)}",
-               f"-DATT_UNROLL={unroll}", f"-DATT_MIN_BLOCKS={min_blocks}", f"-DATT_XRED={xred}",
-               f"-DATT_ASYNC={asyn}", f"-DATT_STAGES={stages}")
+               *(f"-DATT_{k}={att[k]}" for k in ("UNROLL", "MIN_BLOCKS", "XRED", "ASYNC", "STAGES")))
     code = "\n".join((_HERE / name).read_text() for name in _SOURCES)
     return cp.RawModule(code=code, options=options)
 
@@ -70,6 +74,7 @@ class Kernels:
         if act not in ("float16", "bfloat16"):
             raise ValueError(f"activation dtype {act!r}: float16 or bfloat16")
         self.head_dim, self.group, self.act = head_dim, group, act
+        self.att_settings = attention_settings()  # what the attention kernel was compiled with (the worker's stats)
         mod = _module(head_dim, group, act == "bfloat16")
         self._f = {name: mod.get_function(name) for name in (
             "embed_norm", "add_norm", "qkv_post", "attention", "gelu_mul", "argmax_rows", "argmax_partial", "argmax_final", "sample_partial", "sample_final", "prepare", "advance", "spin", "gemv", "mlp_fused")}
