@@ -320,17 +320,18 @@ class Engine:
         cached = self._row_inputs
         if cached is not None and cached[0] == seqs:  # list equality: identity first, per element
             _, mixed, prompt, params, logprobs, packed = cached
-        else:
-            mixed = np.fromiter((s.seed_key() for s in seqs), np.uint64, n)
-            prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.uint64, n)
-            params, logprobs, packed = [s.sampling for s in seqs], [s.logprobs for s in seqs], None
+        else:  # another list (under load, most steps: a request ended, another joined): each sequence's own
+            # constants, computed once in its life (row_constants), into columns in one conversion
+            cols = np.array([s.row_constants or row_constants(s) for s in seqs], np.uint64).reshape(n, 4)
+            mixed, prompt = cols[:, 0], cols[:, 1]
+            params, logprobs = [s.sampling for s in seqs], [s.logprobs for s in seqs]
+            packed = np.empty((n, 4), np.int32)
+            packed[:, 2:] = cols[:, 2:].astype(np.uint32).view(np.int32)
+            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, packed)
         index = np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n) - prompt  # num_output, no property
         if ahead is not None:
             index += np.asarray(ahead, np.uint64)
-        rows = packed_rows(params, logprobs, *index_keys(mixed, index), packed)
-        if packed is None:
-            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, rows.packed)
-        return rows
+        return packed_rows(params, logprobs, *index_keys(mixed, index), packed)
 
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:
@@ -427,6 +428,15 @@ class Engine:
             return 0.0, 0.0
         span = max(now - recent[0][0], 1.0)
         return sum(r[1] for r in recent) / span, sum(r[2] for r in recent) / span
+
+
+def row_constants(seq: Sequence) -> tuple[int, int, int, int]:
+    """What a sequence's sample rows share all its life, kept on it: its seed's key, its prompt length, 1/T as
+    float32 bits (0 when greedy: packed_rows' temperature column) and whether it asks for logprobs."""
+    p = seq.sampling
+    inv = 0 if p.greedy else int(np.float32(1.0 / p.temperature).view(np.uint32))
+    seq.row_constants = (seq.seed_key(), seq.num_prompt_tokens, inv, int(seq.logprobs is not None))
+    return seq.row_constants
 
 
 def create_engine(info, weights: dict, xp, *, block_size: int, num_blocks: int, max_num_seqs: int,
