@@ -7,6 +7,7 @@ Engine.append_tokens, each sequence's sampled token appended and its StepOutput 
     python -m bench.step_host --baseline /tmp/batch_rev.py    # another version beside it, interleaved
     git show REV:workers/cupy/engine.py > /tmp/engine_rev.py
     python -m bench.step_host --part emit --baseline /tmp/engine_rev.py
+    python -m bench.step_host --part rows --batches 256 --baseline /tmp/engine_rev.py
 
 Decode steps of B sequences (one new token each, `--context` tokens known, block size 16, blocks given by a
 BlockManager), with one KV pool and with two (Gemma 3's sliding-window layers: a second block table per
@@ -18,6 +19,9 @@ Prints, per batch and layout, the median (min–max over --repeats) of microseco
 mean of --calls calls after a warm-up. Host time only: the arrays stay NumPy, as the GPU engine builds them.
 For `emit` no sequence finishes during the timing (as in ~127 of a 128-token request's 128 steps); an
 engine.py from before append_tokens is timed as its step ran it then (append_token and output_for per sequence).
+`rows`: Engine.sample_rows (each row's key, temperature and logprobs ask, as the sampler stages them) over a list of
+sequences that differs from the call before (the first sequence moved to the end), as under load, where a request
+ends and another joins most steps; `--same` keeps one list (its per-list cache then answers).
 """
 from __future__ import annotations
 
@@ -65,6 +69,19 @@ def load_module(path: str, name: str):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def rows_loop(engine_module, same: bool = False):
+    """A (scheduled, block_size, xp) -> rows callable running `engine_module`'s Engine.sample_rows on the step's
+    sequences, alternately in two orders (the first moved to the end) unless `same`."""
+    eng = engine_module.Engine.__new__(engine_module.Engine)  # sample_rows touches only its per-list cache
+    flip = [False]
+
+    def run(scheduled, block_size, xp, tables=None):
+        seqs = [seq for seq, _ in scheduled]
+        flip[0] = not flip[0]
+        return eng.sample_rows(seqs if same or flip[0] else seqs[1:] + seqs[:1])
+    return run
 
 
 def output_loop(engine_module):
@@ -176,23 +193,25 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--part", choices=["build_batch", "emit", "step"], default="build_batch", help=(
+    ap.add_argument("--same", action="store_true", help="--part rows: the same list of sequences every call")
+    ap.add_argument("--part", choices=["build_batch", "emit", "rows", "step"], default="build_batch", help=(
         "step: a whole Engine.step() over a model that costs nothing, with workers.engine.overlap on and off "
         "(the baseline column is overlap off)"))
     ap.add_argument("--churn", type=int, default=0, help=(
         "--part step: sequences that finish each step, replaced by as many new requests (their prefill rides with "
         "the decodes, as under load); 0: none finish"))
-    ap.add_argument("--baseline", help="another batch.py (--part build_batch) or engine.py (--part emit), e.g. from "
-                    "`git show REV:workers/cupy/batch.py`, timed beside this one, repeat by repeat")
+    ap.add_argument("--baseline", help="another batch.py (--part build_batch) or engine.py (--part emit, rows), e.g. "
+                    "from `git show REV:workers/cupy/batch.py`, timed beside this one, repeat by repeat")
     args = ap.parse_args(argv)
     if args.part == "step":
         builds = {"this tree": None, "baseline": None}  # overlap on and off: built per batch and layout, below
         args.baseline = args.baseline or "overlap off"
-    elif args.part == "emit":
+    elif args.part in ("emit", "rows"):
         from workers.cupy import engine
-        builds = {"this tree": output_loop(engine)}
+        loop = output_loop if args.part == "emit" else (lambda m: rows_loop(m, args.same))
+        builds = {"this tree": loop(engine)}
         if args.baseline:
-            builds["baseline"] = output_loop(load_module(args.baseline, "engine_baseline"))
+            builds["baseline"] = loop(load_module(args.baseline, "engine_baseline"))
     else:
         builds = {"this tree": lambda s, bs, xp, tables: build_batch(s, bs, xp, tables=tables)}
         if args.baseline:
