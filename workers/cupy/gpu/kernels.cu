@@ -114,7 +114,7 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 
 #define ATT_WARPS 8
 #define ATT_CHUNK 256
-#ifndef ATT_UNROLL  // keys per warp in flight (kernels.py passes PULSE_GPU_ATT_UNROLL, default 4)
+#ifndef ATT_UNROLL  // keys a warp takes at once (kernels.py passes attention_settings(): PULSE_GPU_ATT_UNROLL, 2)
 #define ATT_UNROLL 4
 #endif
 #define ATT_SBT 64  // >= ATT_CHUNK / 8 + 2: a chunk's entries always fit (block_size >= 8)
@@ -127,17 +127,17 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
 #else
 #define ATT_XRED_ON 0  // GROUP x ATT_UNROLL not a power of two <= 32 (e.g. Llama's GROUP 3): one sum per score
 #endif
-#ifndef ATT_MIN_BLOCKS  // blocks per SM the compiler must leave registers for (PULSE_GPU_ATT_MIN_BLOCKS, default 1)
+#ifndef ATT_MIN_BLOCKS  // blocks per SM the compiler must leave registers for (kernels.py: 2; Llama's module: 1)
 #define ATT_MIN_BLOCKS 1
 #endif
-#ifndef ATT_ASYNC  // 1: keys and values reach shared memory by cp.async in tiles, double-buffered (PULSE_GPU_ATT_ASYNC)
+#ifndef ATT_ASYNC  // 1: keys and values reach shared memory by cp.async in tiles, ATT_STAGES buffers (kernels.py: 1)
 #define ATT_ASYNC 0
 #endif
 #define ATT_TILE (ATT_WARPS * ATT_UNROLL)  // keys a tile (ATT_ASYNC): ATT_UNROLL a warp
 #ifndef ATT_STAGES  // tile buffers (ATT_ASYNC): ATT_STAGES - 1 tiles in flight while one is used (PULSE_GPU_ATT_STAGES)
 #define ATT_STAGES 2
 #endif
-// the warps' partial sums at the end, and (ATT_ASYNC) the two tile buffers before: one shared pool
+// the warps' partial sums at the end, and (ATT_ASYNC) the tile buffers before: one shared pool
 #define ATT_RED_BYTES (ATT_WARPS * GROUP * HEAD_DIM * 4)
 #define ATT_TILES_BYTES (ATT_ASYNC ? ATT_STAGES * ATT_TILE * HEAD_DIM * (int)sizeof(act_t) : 0)
 #define ATT_POOL_BYTES (ATT_RED_BYTES > ATT_TILES_BYTES ? ATT_RED_BYTES : ATT_TILES_BYTES)
