@@ -70,12 +70,11 @@ def time_variant(k, d, n_split: int, repeats: int, n: int = 200) -> float:
 
 def kernels_for(variant: str):
     import workers.cupy.gpu.kernels as km
+    from bench.served import att_env  # the same KEY=VALUE form as the served pulse-att target's
 
     for key in [k for k in os.environ if k.startswith("PULSE_GPU_ATT_")]:
         del os.environ[key]
-    for item in variant.split():
-        key, _, val = item.partition("=")
-        os.environ[f"PULSE_GPU_ATT_{key}"] = val
+    os.environ.update(att_env(variant))
     km._module.cache_clear()
     km.attention_settings.cache_clear()
     k = km.Kernels(HD, GROUP, "float16")

@@ -11,11 +11,15 @@ set -u
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
 export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
+variant_env() {  # "MIN_BLOCKS=2 UNROLL=2" -> "PULSE_GPU_ATT_MIN_BLOCKS=2 PULSE_GPU_ATT_UNROLL=2" (served.py att_env)
+  python3 -c "import sys; from bench.served import att_env
+print(' '.join(f'{k}={v}' for k, v in att_env(sys.argv[1]).items()))" "$1"
+}
 python3 -m bench.attention_gpu --batches ${ATT_BATCHES:-64 128 256} --ctx ${ATT_CTX:-128 512} --variants "$@" \
   --json "$out/attention_gpu.json" 2>&1 | tee "$out/attention_gpu.txt" | tail -60
 : > "$out/attention_passed.txt"
 for v in "$@"; do
-  env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "$v")
+  env_v=$(variant_env "$v")
   echo "== tests, variant '${v}'"
   env $env_v timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py -k attention \
     > "$out/tests.log" 2>&1 && echo "$v" >> "$out/attention_passed.txt"
@@ -37,7 +41,7 @@ for g, k in ranked:
 open(sys.argv[3], "w").write("" if not ranked or ranked[0][1] == "defaults" else ranked[0][1])
 PY
 if [[ ${ATT_NCU:-0} == 1 ]] && command -v ncu >/dev/null; then
-  env_v=$(python3 -c "import sys; print(' '.join('PULSE_GPU_ATT_' + x for x in sys.argv[1].split()))" "${1:-}")
+  env_v=$(variant_env "${1:-}")
   env $env_v timeout 180 ncu --kernel-name attention --launch-skip 30 --launch-count 1 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section LaunchStats python3 -m bench.attention_gpu --batches 256 \
     --ctx 128 --repeats 1 2>&1 | tail -80 | tee "$out/ncu.txt"
