@@ -47,6 +47,7 @@ class StepOutput(msgspec.Struct, array_like=True):
 # and applying queued adds and aborts. The wait for a step's tokens is token_wait_seconds.
 PHASES = ("schedule", "build", "forward", "append", "commit", "speculate", "handover", "inbox")
 
+
 @dataclass(eq=False)
 class _Launched:
     """A step whose forward (and on a GPU its draw) is launched and whose tokens are not read yet."""
