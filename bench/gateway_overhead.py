@@ -39,7 +39,7 @@ from pathlib import Path
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import checked_machine_info
-from bench.procs import Proc, cpu_ticks, free_port, owned_processes, python_module
+from bench.procs import Proc, Served, cpu_ticks, owned_processes, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO, GOAL_CPU_RATIO = 2.0, 10.0, 0.8, 1.2
@@ -117,27 +117,22 @@ def verdict(summary: dict, clients: Sequence[int]) -> list[str]:
 
 def start_targets(args, log_dir: Path, procs: list[Proc]) -> dict[str, tuple[str, str]]:
     """Start upstream, relay and (unless --no-pulse) Pulse; returns {target: (base url, model id)}."""
-    up_port, relay_port = free_port(), free_port()
-    up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port), "--tokens", str(args.tokens),
-                                        "--rate", str(args.rate), "--ttft", str(args.ttft), "--loop", args.loop),
-              log_dir)
-    procs.append(up)
-    relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
-                                        "--upstream", f"http://127.0.0.1:{up_port}", "--loop", args.loop), log_dir)
-    procs.append(relay)
-    targets = {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
+    # one after another, each healthy before the next starts: the relay needs the upstream's port, and a
+    # server whose port was taken meanwhile is started again on another (Served)
+    up = Served(procs, "upstream", lambda port: python_module(
+        "bench.relay", "upstream", "--port", str(port), "--tokens", str(args.tokens), "--rate", str(args.rate),
+        "--ttft", str(args.ttft), "--loop", args.loop), log_dir)
+    targets = {"direct": up.ready(args.start_timeout)}
+    relay = Served(procs, "relay", lambda port: python_module(
+        "bench.relay", "relay", "--port", str(port), "--upstream", targets["direct"], "--loop", args.loop), log_dir)
+    targets["relay"] = relay.ready(args.start_timeout)
     if not args.no_pulse:
-        port = free_port()
         config = pulse_config(log_dir, args.tokens, args.rate, args.ttft)
-        pulse = Proc("pulse", shlex.split(args.pulse_cmd.format(port=port, config=config)), log_dir)
-        procs.append(pulse)
-        targets["pulse"] = f"http://127.0.0.1:{port}"
-        if args.pulse_b_cmd:
-            port = free_port()
-            procs.append(Proc("pulse_b", shlex.split(args.pulse_b_cmd.format(port=port, config=config)), log_dir))
-            targets["pulse_b"] = f"http://127.0.0.1:{port}"
-    for proc, url in zip(procs, targets.values()):
-        proc.wait_healthy(url + "/health", timeout=args.start_timeout)
+        pulses = {"pulse": args.pulse_cmd, **({"pulse_b": args.pulse_b_cmd} if args.pulse_b_cmd else {})}
+        started = [Served(procs, name, lambda port, cmd=cmd: shlex.split(cmd.format(port=port, config=config)),
+                          log_dir) for name, cmd in pulses.items()]  # started together: each takes seconds
+        for served in started:
+            targets[served.name] = served.ready(args.start_timeout)
     return {name: (url, first_model(url)) for name, url in targets.items()}
 
 

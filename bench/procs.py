@@ -217,6 +217,50 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+class Served:
+    """A server started on a free port, in `procs` (stopped with them); `ready()` waits for its health.
+
+    free_port() only finds a port free when asked: another process (Ray's components, a client's connection
+    on a box whose ephemeral range is wider) can take it before the server binds it — CI saw the relay exit
+    with EADDRINUSE. A server that exits saying its address is in use is started again on another port.
+    """
+
+    def __init__(self, procs: list, name: str, argv_for, log_dir: Path, env: dict | None = None,
+                 health: str = "/health", tries: int = 3):
+        self.procs, self.name, self.argv_for, self.log_dir, self.env = procs, name, argv_for, log_dir, env
+        self.health, self.tries = health, tries
+        self.port = free_port()
+        self.proc = Proc(name, argv_for(self.port), log_dir, env)
+        procs.append(self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self, timeout: float) -> str:
+        """The server's base URL once it answers its health check; RuntimeError as Proc.wait_healthy's."""
+        for attempt in range(self.tries):
+            try:
+                self.proc.wait_healthy(self.url + self.health, timeout)
+                return self.url
+            except RuntimeError:
+                if attempt + 1 == self.tries or not _lost_its_port(self.proc):
+                    raise
+            print(f"warning: {self.name} found port {self.port} taken; starting it on another", file=sys.stderr)
+            self.proc.stop()
+            self.proc.log_path.rename(self.proc.log_path.with_suffix(f".port-{self.port}-taken.log"))  # kept
+            self.port = free_port()
+            fresh = Proc(self.name, self.argv_for(self.port), self.log_dir, self.env)
+            self.procs[self.procs.index(self.proc)] = fresh  # the same place: stopped in the same order
+            self.proc = fresh
+        raise AssertionError("unreachable")
+
+
+def _lost_its_port(proc: Proc) -> bool:
+    """Whether the process exited because its address was in use (Python's OSError: Errno 98)."""
+    return proc.popen.poll() is not None and "address already in use" in proc.log_tail(60).lower()
+
+
 def stop_all(procs: list) -> None:
     """Stop what a benchmark started, last first, and say what any of them left behind (and was killed)."""
     for proc in reversed(procs):

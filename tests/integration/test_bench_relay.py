@@ -9,7 +9,7 @@ import pytest
 
 from bench import gateway_overhead
 from bench.loadgen import LoadSpec, run_load
-from bench.procs import Proc, descendants, free_port, python_module
+from bench.procs import Proc, Served, descendants, python_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,18 +17,18 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    up_port, relay_port = free_port(), free_port()
-    up = Proc("upstream", python_module("bench.relay", "upstream", "--port", str(up_port), "--tokens", "12"), logs)
-    relay = Proc("relay", python_module("bench.relay", "relay", "--port", str(relay_port),
-                                        "--upstream", f"http://127.0.0.1:{up_port}"), logs)
+    procs: list = []
     try:
-        up.wait_healthy(f"http://127.0.0.1:{up_port}/health", 20)
-        relay.wait_healthy(f"http://127.0.0.1:{relay_port}/health", 20)
-        yield {"direct": f"http://127.0.0.1:{up_port}", "relay": f"http://127.0.0.1:{relay_port}"}
+        up = Served(procs, "upstream", lambda port: python_module("bench.relay", "upstream", "--port", str(port),
+                                                                  "--tokens", "12"), logs)
+        direct = up.ready(20)
+        relay = Served(procs, "relay", lambda port: python_module("bench.relay", "relay", "--port", str(port),
+                                                                  "--upstream", direct), logs)
+        yield {"direct": direct, "relay": relay.ready(20)}
     finally:
-        relay.stop()
-        up.stop()
-    for proc in (up, relay):
+        for proc in reversed(procs):
+            proc.stop()
+    for proc in procs:
         assert proc.popen.poll() is not None, f"{proc.name} still running"
 
 
@@ -133,3 +133,32 @@ def test_gateway_overhead_against_pulse_serve_loadtest(tmp_path):
     assert "req_s_vs_relay" in doc["summary"]["pulse@4"]
     assert len(doc["verdict"]) == 2 * len(gateway_overhead.goals(4))  # each goal judged at 1 and 4 clients
     assert set(descendants(os.getpid())) <= before, "the benchmark left processes running"
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The port free_port() gave is bound by someone else before the relay binds it: the relay exits with
+    EADDRINUSE, and Served starts it again on the next free port."""
+    import socket
+
+    from bench import procs as procs_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first_port = taken.getsockname()[1]
+        ports = iter([first_port, procs_module.free_port()])
+        monkeypatch.setattr(procs_module, "free_port", lambda: next(ports))
+        started: list = []
+        try:
+            served = Served(started, "upstream", lambda port: python_module(
+                "bench.relay", "upstream", "--port", str(port), "--tokens", "2"), tmp_path)
+            first = served.proc
+            url = served.ready(20)
+            assert first.popen.returncode is not None
+            assert "address already in use" in (tmp_path / f"upstream.port-{first_port}-taken.log").read_text().lower()
+            assert started == [served.proc] and url.endswith(f":{served.port}")
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                assert r.status == 200
+        finally:
+            for proc in started:
+                proc.stop()
