@@ -257,8 +257,12 @@ class Served:
 
 
 def _lost_its_port(proc: Proc) -> bool:
-    """Whether the process exited because its address was in use (Python's OSError: Errno 98)."""
-    return proc.popen.poll() is not None and "address already in use" in proc.log_tail(60).lower()
+    """Whether the process exited because its address was in use: Python's OSError (Errno 98), llama-server's
+    "couldn't bind HTTP server socket"."""
+    if proc.popen.poll() is None:
+        return False
+    tail = proc.log_tail(60).lower()
+    return "address already in use" in tail or "couldn't bind http server socket" in tail
 
 
 def stop_all(procs: list) -> None:

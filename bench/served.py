@@ -72,7 +72,7 @@ from pathlib import Path
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import REPO, machine_info
-from bench.procs import Proc, free_port, owned_processes, python_module
+from bench.procs import Served, owned_processes, python_module
 from bench.speculation import EDITS, SOURCES, edit_prompt
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -292,23 +292,17 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
               for t in args.targets if batch_of(t))):
         if not targets:
             continue
-        port = free_port()
-        proc = Proc(f"pulse-{name}", python_module(
+        served = Served(procs, f"pulse-{name}", lambda port: python_module(
             "pulse.cli", "serve", "--config",
             str(pulse_config(args, port, log_dir, process, name, admission, workers=2 if name == "w2" else 1,
                              **engine))), log_dir,
             env={**env, **att_env(args.att_variant)} if name == "att" else env)
-        procs.append(proc)
-        proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
-        base = f"http://127.0.0.1:{port}"
+        base = served.ready(args.start_timeout)
         for t in targets:
             bases[t] = (base, first_model(base))
     if "llama" in args.targets:
-        port = free_port()
-        proc = Proc("llama-server", llama_argv(args, port), log_dir)
-        procs.append(proc)
-        proc.wait_healthy(f"http://127.0.0.1:{port}/health", args.start_timeout)
-        bases["llama"] = (f"http://127.0.0.1:{port}", "llama")
+        served = Served(procs, "llama-server", lambda port: llama_argv(args, port), log_dir)
+        bases["llama"] = (served.ready(args.start_timeout), "llama")
     return bases
 
 
