@@ -22,6 +22,14 @@ engine.py from before append_tokens is timed as its step ran it then (append_tok
 `rows`: Engine.sample_rows (each row's key, temperature and logprobs ask, as the sampler stages them) over a list of
 sequences that differs from the call before (the first sequence moved to the end), as under load, where a request
 ends and another joins most steps; `--same` keeps one list (its per-list cache then answers).
+`draws`: what a GPU step does with those rows on the host: sample_rows on a changed list, the device staging's pack
+(pack_rows) and GpuSampler.hold's checks before it touches the device (the logprobs ask, then _drawn_in_step), as
+the imported tree has them (no CuPy needed: the checks read the model's last draw through a stand-in). Against
+another commit, run this file with that commit's tree first on the path, alternately:
+
+    git worktree add /tmp/base REV
+    for i in 1 2 3; do PYTHONPATH=/tmp/base python bench/step_host.py --part draws; \
+                       python bench/step_host.py --part draws; done
 """
 from __future__ import annotations
 
@@ -81,6 +89,34 @@ def rows_loop(engine_module, same: bool = False):
         seqs = [seq for seq, _ in scheduled]
         flip[0] = not flip[0]
         return eng.sample_rows(seqs if same or flip[0] else seqs[1:] + seqs[:1])
+    return run
+
+
+def draws_loop(engine_module):
+    """A (scheduled, block_size, xp) -> None callable: sample_rows as rows_loop, then pack_rows into a staging
+    array and GpuSampler.hold's checks (the imported tree's: with or without sampler.rows_ask)."""
+    import types
+
+    from workers.cupy import sampler
+    from workers.cupy.gpu import GpuSampler
+
+    rows_of = rows_loop(engine_module)
+    gs = GpuSampler.__new__(GpuSampler)  # only what _drawn_in_step reads
+    logits = object()
+    out = np.zeros((4096, 4), np.int32)
+    if hasattr(sampler, "rows_ask"):
+        def logprobs_asked(rows):
+            return sampler.rows_ask(rows, sampler.ASK_LOGPROBS)
+    else:  # the check as hold() made it before SampleRows.asks
+        def logprobs_asked(rows):
+            return any(r.logprobs is not None for r in rows)
+
+    def run(scheduled, block_size, xp, tables=None):
+        rows = rows_of(scheduled, block_size, xp)
+        gs.model = types.SimpleNamespace(last_chosen=out[: len(rows), 0], last_logits=logits)
+        gs.draws = types.SimpleNamespace(rows=len(out))
+        sampler.pack_rows(rows, out[: len(rows)])
+        assert not logprobs_asked(rows) and gs._drawn_in_step(logits, rows, None, rows)
     return run
 
 
@@ -194,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--same", action="store_true", help="--part rows: the same list of sequences every call")
-    ap.add_argument("--part", choices=["build_batch", "emit", "rows", "step"], default="build_batch", help=(
+    ap.add_argument("--part", choices=["build_batch", "emit", "rows", "draws", "step"], default="build_batch", help=(
         "step: a whole Engine.step() over a model that costs nothing, with workers.engine.overlap on and off "
         "(the baseline column is overlap off)"))
     ap.add_argument("--churn", type=int, default=0, help=(
@@ -206,9 +242,9 @@ def main(argv=None) -> int:
     if args.part == "step":
         builds = {"this tree": None, "baseline": None}  # overlap on and off: built per batch and layout, below
         args.baseline = args.baseline or "overlap off"
-    elif args.part in ("emit", "rows"):
+    elif args.part in ("emit", "rows", "draws"):
         from workers.cupy import engine
-        loop = output_loop if args.part == "emit" else (lambda m: rows_loop(m, args.same))
+        loop = {"emit": output_loop, "rows": lambda m: rows_loop(m, args.same), "draws": draws_loop}[args.part]
         builds = {"this tree": loop(engine)}
         if args.baseline:
             builds["baseline"] = loop(load_module(args.baseline, "engine_baseline"))

@@ -141,6 +141,20 @@ def test_engine_rows_carry_the_packing_each_row_gives_alone():
     assert got[:, 3].tolist() == [0, 1, 1, 0, 1, 1, 0]
     for r, s, a in zip(rows, seqs, [0, 1, 0, 2, 0, 0, 3]):
         assert r.key == row_key(s.seed, s.num_output + a) and r.params is s.sampling and r.logprobs == s.logprobs
+    # what the step's rows ask, one number for the step (no row read): each row's own properties, OR-ed
+    from workers.cupy.sampler import (ASK_ALTERNATIVES, ASK_LOGPROBS, ASK_PENALIZED, ASK_TRUNCATED, row_asks,
+                                      rows_ask)
+    for r in rows:
+        bits = row_asks(r.params, r.logprobs)
+        assert bool(bits & ASK_TRUNCATED) == r.truncated and bool(bits & ASK_LOGPROBS) == (r.logprobs is not None)
+        assert bool(bits & ASK_ALTERNATIVES) == bool(r.logprobs) and bool(bits & ASK_PENALIZED) == r.params.penalized
+    assert rows.asks == ASK_LOGPROBS | ASK_ALTERNATIVES | ASK_TRUNCATED  # top_p 0.5 at T 2; top_k 1 is greedy
+    for bit in (ASK_LOGPROBS, ASK_ALTERNATIVES, ASK_TRUNCATED, ASK_PENALIZED):
+        assert rows_ask(rows, bit) == rows_ask(list(rows), bit)
+    plain = Engine.sample_rows(Engine.__new__(Engine), [
+        Sequence(request_id="p", token_ids=[1, 2], max_tokens=5, sampling=SamplingParams(presence_penalty=0.5),
+                 num_prompt_tokens=1)])
+    assert plain.asks == ASK_PENALIZED and rows_ask(plain, ASK_PENALIZED) and not rows_ask(plain, ASK_TRUNCATED)
     # the same sequences a token later (the engine keeps their fixed inputs between such calls): as computed afresh
     engine = Engine.__new__(Engine)
     first = engine.sample_rows(seqs)

@@ -16,7 +16,7 @@ import numpy as np
 from workers.cupy.batch import build_batch
 from workers.cupy.kv_cache import BlockManager, KVStorage, plan_for
 from workers.cupy.rng import index_keys
-from workers.cupy.sampler import Sampler, SampleRow, packed_rows
+from workers.cupy.sampler import ASK_PENALIZED, Sampler, SampleRow, packed_rows, row_asks, rows_ask
 from workers.cupy.scheduler import Scheduler
 from workers.cupy.sequence import SeqStatus, Sequence
 from workers.protocol import GenerateRequest, TokenLogprob
@@ -320,19 +320,20 @@ class Engine:
         # kept for the last list of sequences: most steps draw for the same sequences as the one before
         cached = self._row_inputs
         if cached is not None and cached[0] == seqs:  # list equality: identity first, per element
-            _, mixed, prompt, params, logprobs, packed = cached
+            _, mixed, prompt, params, logprobs, packed, asks = cached
         else:  # another list (under load, most steps: a request ended, another joined): each sequence's own
             # constants, computed once in its life (row_constants), into columns in one conversion
-            cols = np.array([s.row_constants or row_constants(s) for s in seqs], np.uint64).reshape(n, 4)
+            cols = np.array([s.row_constants or row_constants(s) for s in seqs], np.uint64).reshape(n, 5)
             mixed, prompt = cols[:, 0], cols[:, 1]
             params, logprobs = [s.sampling for s in seqs], [s.logprobs for s in seqs]
             packed = np.empty((n, 4), np.int32)
-            packed[:, 2:] = cols[:, 2:].astype(np.uint32).view(np.int32)
-            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, packed)
+            packed[:, 2:] = cols[:, 2:4].astype(np.uint32).view(np.int32)
+            asks = int(np.bitwise_or.reduce(cols[:, 4])) if n else 0
+            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, packed, asks)
         index = np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n) - prompt  # num_output, no property
         if ahead is not None:
             index += np.asarray(ahead, np.uint64)
-        return packed_rows(params, logprobs, *index_keys(mixed, index), packed)
+        return packed_rows(params, logprobs, *index_keys(mixed, index), packed, asks)
 
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:
@@ -349,7 +350,7 @@ class Engine:
         constrained rows' matchers advance unless drafts are given (verification advances them by what it
         keeps)."""
         constrained = self.constraints is not None and any(i in self.constraints for i in ids)
-        penalized = seqs is not None and any(r.params.penalized for r in rows)
+        penalized = seqs is not None and rows_ask(rows, ASK_PENALIZED)
         if not constrained and not penalized:
             return self.sampler.sample(logits, rows, index)
         if index is not None:
@@ -431,12 +432,14 @@ class Engine:
         return sum(r[1] for r in recent) / span, sum(r[2] for r in recent) / span
 
 
-def row_constants(seq: Sequence) -> tuple[int, int, int, int]:
+def row_constants(seq: Sequence) -> tuple[int, int, int, int, int]:
     """What a sequence's sample rows share all its life, kept on it: its seed's key, its prompt length, 1/T as
-    float32 bits (0 when greedy: packed_rows' temperature column) and whether it asks for logprobs."""
+    float32 bits (0 when greedy: packed_rows' temperature column), whether it asks for logprobs, and what its rows
+    ask beyond a plain draw (sampler.row_asks' bits)."""
     p = seq.sampling
     inv = 0 if p.greedy else int(np.float32(1.0 / p.temperature).view(np.uint32))
-    seq.row_constants = (seq.seed_key(), seq.num_prompt_tokens, inv, int(seq.logprobs is not None))
+    seq.row_constants = (seq.seed_key(), seq.num_prompt_tokens, inv, int(seq.logprobs is not None),
+                         row_asks(p, seq.logprobs))
     return seq.row_constants
 
 

@@ -12,6 +12,7 @@ rule picks among them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -46,12 +47,57 @@ class SampleRow:
         return not self.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-class SampleRows(list):
-    """A step's SampleRows with their draw parameters already packed for the device (pack_rows' layout), built
-    with them in one vectorized pass (Engine.sample_rows): staging a step then copies one array instead of
-    reading every row's key and temperature again (~0.5 ms a step at 256 rows on the dev box)."""
+# What a row asks beyond the plain draw (bits of row_asks, and of SampleRows.asks for a whole step): each is a
+# request's setting, so a sequence's bits are fixed for its life (engine.row_constants keeps them).
+ASK_LOGPROBS = 1  # its chosen token's logprob
+ASK_ALTERNATIVES = 2  # top alternatives besides (logprobs > 0)
+ASK_TRUNCATED = 4  # top-k / top-p / min-p: the row is masked before the draw
+ASK_PENALIZED = 8  # presence / frequency penalties
 
-    packed: np.ndarray | None = None
+
+def row_asks(params: SamplingParams, logprobs: int | None) -> int:
+    """The ASK_* bits of a row with these sampling params and logprobs ask (SampleRow's properties' rules)."""
+    truncated = not params.greedy and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0)
+    return ((logprobs is not None) * ASK_LOGPROBS | ((logprobs or 0) > 0) * ASK_ALTERNATIVES
+            | truncated * ASK_TRUNCATED | params.penalized * ASK_PENALIZED)
+
+
+def rows_ask(rows, bits: int) -> bool:
+    """Whether any of `rows` asks for any of `bits`: SampleRows' one number for the step, else row by row."""
+    asks = getattr(rows, "asks", None)
+    if asks is not None:
+        return bool(asks & bits)
+    return any(row_asks(r.params, r.logprobs) & bits for r in rows)
+
+
+class SampleRows(Sequence):
+    """A step's rows (SampleRow each) with their draw parameters already packed for the device (pack_rows'
+    layout) and what any of them asks beyond a plain draw (`asks`, ASK_* bits), built together in one vectorized
+    pass (Engine.sample_rows): staging a step copies one array instead of reading every row's key and
+    temperature again (~0.5 ms a step at 256 rows on the dev box), and a step of plain draws is known as one
+    without reading a row. The SampleRow objects themselves are made only when a row is read (a plain
+    overlapped step on the GPU reads none: ~64 us a step at 256 rows saved)."""
+
+    __slots__ = ("params", "logprobs", "lo", "hi", "packed", "asks", "_rows")
+
+    def __init__(self, params: list, logprobs: list, lo: np.ndarray, hi: np.ndarray, packed: np.ndarray,
+                 asks: int | None = None):
+        self.params, self.logprobs, self.lo, self.hi = params, logprobs, lo, hi
+        self.packed, self.asks, self._rows = packed, asks, None
+
+    def _list(self) -> list[SampleRow]:
+        if self._rows is None:
+            self._rows = list(map(SampleRow, self.params, zip(self.lo.tolist(), self.hi.tolist()), self.logprobs))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
 
 
 def pack_rows(rows, out: np.ndarray) -> None:
@@ -69,16 +115,20 @@ def pack_rows(rows, out: np.ndarray) -> None:
 
 
 def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray,
-                like: np.ndarray | None = None) -> SampleRows:
+                like: np.ndarray | None = None, asks: int | None = None) -> SampleRows:
     """SampleRows for rows with these sampling params, logprobs asks and key words (rng.index_keys), packed
     as they are built. `like`: the packing of an earlier call with the same params and logprobs asks, whose
-    temperature and logprob columns are taken as they are."""
+    temperature and logprob columns are taken as they are. `asks`: what the rows ask (the OR of their row_asks)
+    when the caller knows it; computed here otherwise."""
     n = len(params)
-    rows = SampleRows(map(SampleRow, params, zip(lo.tolist(), hi.tolist()), logprobs))
     packed = np.empty((n, 4), np.int32) if like is None else like.copy()
     packed[:, 0] = lo.view(np.int32)
     packed[:, 1] = hi.view(np.int32)
-    rows.packed = packed
+    if asks is None:
+        asks = 0
+        for p, lp in zip(params, logprobs):
+            asks |= row_asks(p, lp)
+    rows = SampleRows(params, logprobs, lo, hi, packed, asks)
     if like is not None:
         return rows
     # SampleRow.inv_temperature for all rows at once: 1/T in double rounded to float32, 0 where greedy
@@ -120,6 +170,8 @@ class Sampler:
     def mask_truncated(self, logits, rows: list[SampleRow]):
         """`logits` with every truncated row's dropped tokens at -inf (a copy when any row is truncated)."""
         xp = self.xp
+        if not rows_ask(rows, ASK_TRUNCATED):
+            return logits
         cut = [i for i, r in enumerate(rows) if r.truncated]
         if not cut:
             return logits
@@ -216,6 +268,8 @@ class Sampler:
         """The model's own log-probabilities (before temperature), for rows that asked."""
         xp = self.xp
         out: list[list[TokenLogprob] | None] = [None] * len(rows)
+        if not rows_ask(rows, ASK_LOGPROBS):
+            return out
         for i, r in enumerate(rows):
             if r.logprobs is None:
                 continue

@@ -40,8 +40,9 @@ class Sequence:
     num_accepted: int = 0  # speculation: draft tokens that verification kept
     seed: int = 0  # the sampler's key: the request's seed, or one the engine drew for it (sampler.py)
     _seed_key: tuple[int, int] = (-1, 0)  # (seed, rng.seed_key(seed)): computed once, not per token
-    # (seed key, prompt length, 1/T's float32 bits or 0, logprobs asked): engine.row_constants, once a life
-    row_constants: tuple[int, int, int, int] | None = None
+    # (seed key, prompt length, 1/T's float32 bits or 0, logprobs asked, sampler.row_asks' bits):
+    # engine.row_constants, once a life
+    row_constants: tuple[int, int, int, int, int] | None = None
 
     def seed_key(self) -> int:
         if self._seed_key[0] != self.seed:

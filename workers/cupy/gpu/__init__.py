@@ -20,7 +20,7 @@ import ctypes
 
 import numpy as np
 
-from workers.cupy.sampler import Sampler
+from workers.cupy.sampler import ASK_ALTERNATIVES, ASK_LOGPROBS, ASK_TRUNCATED, Sampler, rows_ask
 from workers.protocol import TokenLogprob
 
 
@@ -62,7 +62,7 @@ class GpuSampler(Sampler):
             sel = np.arange(len(rows)) if index is None else np.asarray(index)
             tokens = chosen.get()[sel].astype(np.int64)
             lps = [None] * len(rows)
-            if any(r.logprobs is not None for r in rows):
+            if rows_ask(rows, ASK_LOGPROBS):
                 values = self.draws.logprob[: chosen.shape[0]].get()[sel]
                 lps = [None if r.logprobs is None else [TokenLogprob(token_id=int(t), logprob=float(v))]
                        for r, t, v in zip(rows, tokens, values)]
@@ -75,7 +75,7 @@ class GpuSampler(Sampler):
         where the step did not draw these rows itself (the host's sampler has to see the logits)."""
         import cupy as cp
 
-        if any(r.logprobs is not None for r in rows) or not self._drawn_in_step(logits, rows, None, self._staged):
+        if rows_ask(rows, ASK_LOGPROBS) or not self._drawn_in_step(logits, rows, None, self._staged):
             return None
         chosen = self.model.last_chosen
         n = int(chosen.shape[0])
@@ -102,12 +102,12 @@ class GpuSampler(Sampler):
         chosen = getattr(self.model, "last_chosen", None)
         if chosen is None or logits is not getattr(self.model, "last_logits", None):
             return False
-        if any(r.truncated or (r.logprobs or 0) > 0 for r in rows):
+        if rows_ask(rows, ASK_TRUNCATED | ASK_ALTERNATIVES):
             return False
         if index is None and chosen.shape[0] != len(rows):
             return False
         if self.draws is None:
-            return all(r.greedy and r.logprobs is None for r in rows)
+            return not rows_ask(rows, ASK_LOGPROBS) and all(r.greedy for r in rows)
         sel = range(len(rows)) if index is None else index
         return (staged is not None and len(staged) == chosen.shape[0]
                 and (rows is staged or all(staged[i] is r or staged[i] == r for i, r in zip(sel, rows))))
