@@ -24,12 +24,14 @@ sequences that differs from the call before (the first sequence moved to the end
 ends and another joins most steps; `--same` keeps one list (its per-list cache then answers).
 `draws`: what a GPU step does with those rows on the host: sample_rows on a changed list, the device staging's pack
 (pack_rows) and GpuSampler.hold's checks before it touches the device (the logprobs ask, then _drawn_in_step), as
-the imported tree has them (no CuPy needed: the checks read the model's last draw through a stand-in). Against
-another commit, run this file with that commit's tree first on the path, alternately:
+the imported tree has them (no CuPy needed: the checks read the model's last draw through a stand-in).
+
+Against another commit when more than one file changed (any part): run this file with that commit's tree first on
+the path, alternately, and compare the same column over the rounds (this box's load moves between processes):
 
     git worktree add /tmp/base REV
-    for i in 1 2 3; do PYTHONPATH=/tmp/base python bench/step_host.py --part draws; \
-                       python bench/step_host.py --part draws; done
+    for i in $(seq 8); do PYTHONPATH=/tmp/base python bench/step_host.py --part step --churn 2; \
+                          python bench/step_host.py --part step --churn 2; done
 """
 from __future__ import annotations
 

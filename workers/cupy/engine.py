@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 import msgspec
 import numpy as np
@@ -193,11 +194,13 @@ class Engine:
             self.blocks.commit_steps([seq for seq in nxt.ran if seq.status is SeqStatus.RUNNING])
             ph["commit"] += time.perf_counter() - clock
             self._ahead = nxt
-        return self._stepped(outputs, cur.prefilled, t0)
+        return self._stepped(outputs, cur.prefilled, t0, len(outputs))  # a plain step: one token an output
 
-    def _stepped(self, outputs: list[StepOutput], prefilled: int, t0: float) -> list[StepOutput]:
+    def _stepped(self, outputs: list[StepOutput], prefilled: int, t0: float, emitted: int | None = None
+                 ) -> list[StepOutput]:
+        """`emitted`: the outputs' tokens when the caller knows them (counted here otherwise)."""
         self.blocks.flush_events()
-        emitted = self._record(outputs, prefilled)
+        emitted = self._record(outputs, prefilled, emitted)
         took = time.perf_counter() - t0
         self.step_seconds += took
         if self.speculator is not None:
@@ -229,7 +232,7 @@ class Engine:
         model takes device token ids as they are)."""
         xp = self.sampler.xp
         draws = xp.asarray(draws)
-        src = [index.get(seq, -1) for seq, _ in scheduled]  # the sequence's row in the held draws, or -1
+        src = list(map(index.get, (seq for seq, _ in scheduled), repeat(-1)))  # its row in the held draws, or -1
         n = len(src)
         if n == batch.num_tokens == len(draws) and src == list(range(n)):  # the same sequences in the same order
             batch.token_ids = draws
@@ -303,10 +306,11 @@ class Engine:
         self.phase_seconds["append"] += time.perf_counter() - t1
         return outputs
 
-    def _record(self, outputs: list[StepOutput], prefilled: int) -> int:
+    def _record(self, outputs: list[StepOutput], prefilled: int, emitted: int | None = None) -> int:
         """A finished step's generated and prefilled tokens, for rates(); returns the generated count."""
         now = time.monotonic()
-        emitted = sum(len(o.token_ids) for o in outputs)
+        if emitted is None:
+            emitted = sum(len(o.token_ids) for o in outputs)
         self._recent.append((now, emitted, prefilled))
         while now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
@@ -323,7 +327,8 @@ class Engine:
             _, mixed, prompt, params, logprobs, packed, asks = cached
         else:  # another list (under load, most steps: a request ended, another joined): each sequence's own
             # constants, computed once in its life (row_constants), into columns in one conversion
-            cols = np.array([s.row_constants or row_constants(s) for s in seqs], np.uint64).reshape(n, 5)
+            cols = np.fromiter(chain.from_iterable(s.row_constants or row_constants(s) for s in seqs), np.uint64,
+                               5 * n).reshape(n, 5)  # ~0.6x np.array's time on a list of tuples
             mixed, prompt = cols[:, 0], cols[:, 1]
             params, logprobs = [s.sampling for s in seqs], [s.logprobs for s in seqs]
             packed = np.empty((n, 4), np.int32)

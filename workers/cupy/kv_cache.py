@@ -383,8 +383,8 @@ class BlockManager:
         window = self.window if local is not None else 0
         for seq in seqs:
             n = seq.num_computed
-            if n // bs > len(seq.block_hashes) or (  # first_needed(n), inline
-                    local is not None and max(0, n - window + 1) // bs > seq.local_start):
+            # first_needed(n), inline (without its max(0, ...): a negative start floors below local_start >= 0)
+            if n // bs > len(seq.block_hashes) or (local is not None and (n - window + 1) // bs > seq.local_start):
                 self.commit_full_blocks(seq)
 
     def commit_full_blocks(self, seq: Sequence) -> None:

@@ -51,6 +51,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.steps = 0  # schedule() calls: the clock prefill coalescing counts in
         self.held_steps = 0  # steps in which a waiting request was held back to coalesce prefills
+        self._unordered = False  # `running` may be out of arrival order (schedule() sorts it then)
 
     def add(self, seq: Sequence) -> None:
         seq.status, seq.arrival = SeqStatus.WAITING, next(self._arrivals)
@@ -69,13 +70,18 @@ class Scheduler:
         budget, scheduled = self.max_step_tokens, []
         self._preempted_now = 0
         self.steps += 1
-        # oldest first, so every preemption victim (the newest) is one not yet scheduled in this step
-        self.running.sort(key=lambda s: s.arrival)
-        bs = self.blocks.block_size
+        # oldest first, so every preemption victim (the newest) is one not yet scheduled in this step; admission
+        # appends in arrival order, so only a preempted sequence's return can put the list out of order
+        if self._unordered:
+            self.running.sort(key=lambda s: s.arrival)
+            self._unordered = False
+        bs, running = self.blocks.block_size, SeqStatus.RUNNING
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
+            if seq.status is not running or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget until next step
-            n = min(seq.num_remaining, budget)
+            n = len(seq.token_ids) - seq.num_computed  # num_remaining, inline (once per sequence per step)
+            if n > budget:
+                n = budget
             # most decode steps stay inside the last block (one step in 16 starts a new one): no block calls then
             if seq.num_computed + n > len(seq.block_table) * bs:
                 if not self._make_room(seq, n):
@@ -123,6 +129,8 @@ class Scheduler:
                 seq.num_cached = cached
             self.blocks.allocate(seq, n)
             seq.status = SeqStatus.RUNNING
+            if self.running and seq.arrival < self.running[-1].arrival:
+                self._unordered = True  # a preempted sequence back (it keeps its first arrival)
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n

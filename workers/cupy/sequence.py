@@ -14,7 +14,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: the engine reads a sequence's fields several times a step
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens; a preempted sequence recomputes all of them
