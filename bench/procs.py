@@ -115,7 +115,8 @@ def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
 class Proc:
     """One started process with a log file; use as a context manager or call stop()."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict | None = None,
+                 cwd: Path | None = None):
         self.name = name
         self.argv = list(argv)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,7 @@ class Proc:
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                      env={**os.environ, **(env or {})})
+                                      env={**os.environ, **(env or {})}, cwd=cwd)
         self._seen: set[tuple[int, int]] = set()  # (pid, start time): a reused pid is not ours
         self.leftovers: list[str] = []
 
@@ -226,11 +227,11 @@ class Served:
     """
 
     def __init__(self, procs: list, name: str, argv_for, log_dir: Path, env: dict | None = None,
-                 health: str = "/health", tries: int = 3):
+                 health: str = "/health", tries: int = 3, cwd: Path | None = None):
         self.procs, self.name, self.argv_for, self.log_dir, self.env = procs, name, argv_for, log_dir, env
-        self.health, self.tries = health, tries
+        self.health, self.tries, self.cwd = health, tries, cwd
         self.port = free_port()
-        self.proc = Proc(name, argv_for(self.port), log_dir, env)
+        self.proc = Proc(name, argv_for(self.port), log_dir, env, cwd)
         procs.append(self.proc)
 
     @property
@@ -250,7 +251,7 @@ class Served:
             self.proc.stop()
             self.proc.log_path.rename(self.proc.log_path.with_suffix(f".port-{self.port}-taken.log"))  # kept
             self.port = free_port()
-            fresh = Proc(self.name, self.argv_for(self.port), self.log_dir, self.env)
+            fresh = Proc(self.name, self.argv_for(self.port), self.log_dir, self.env, self.cwd)
             self.procs[self.procs.index(self.proc)] = fresh  # the same place: stopped in the same order
             self.proc = fresh
         raise AssertionError("unreachable")

@@ -30,7 +30,9 @@ own engine process and the profile's batch: where the served step is bound by on
 second host thread on the same device; at 256 clients each runs ~128 sequences, past 512 up to twice `pulse`'s
 batch in all), `pulse-att` (a second `pulse serve` like `pulse` whose processes compile the attention kernel with
 `--att-variant`'s PULSE_GPU_ATT_* settings, e.g. "MIN_BLOCKS=2 UNROLL=2": a kernel variant served beside the default;
-bench/attention_gpu.py measures its device time alone),
+bench/attention_gpu.py measures its device time alone), `pulse-base` (a second `pulse serve` like `pulse` run from
+another commit's tree, `--base-tree`, e.g. `.base` as `BASE=REV bash bench/gpu_clean_copy.sh` archives it beside the
+tree: that commit's code served in the same repeats as this one's, the A/B of a change to the engine or the gateway),
 `llama` (llama-server started directly with the device profile's flags, -ngl 99 and one slot per client). Workloads:
 `story` (a distinct short-story prompt per request), `code` (a code edit: a file plus an instruction to rewrite it,
 distinct per request), `json` (chat with a JSON-schema `response_format`). Sampling: `greedy` (temperature 0) and
@@ -288,6 +290,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             ("qgc", args.engine_process, queue, {"quiet_gc": True}, [t for t in args.targets if t == "pulse-qgc"]),
             ("att", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-att"]),
             ("w2", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-w2"]),
+            ("base", args.engine_process, queue, {}, [t for t in args.targets if t == "pulse-base"]),
             *((t[len("pulse-"):], args.engine_process, queue, {"max_num_seqs": batch_of(t)}, [t])
               for t in args.targets if batch_of(t))):
         if not targets:
@@ -296,7 +299,7 @@ def start(args, log_dir: Path, procs: list) -> dict[str, tuple[str, str]]:
             "pulse.cli", "serve", "--config",
             str(pulse_config(args, port, log_dir, process, name, admission, workers=2 if name == "w2" else 1,
                              **engine))), log_dir,
-            env={**env, **att_env(args.att_variant)} if name == "att" else env)
+            **target_env(name, env, args))
         base = served.ready(args.start_timeout)
         for t in targets:
             bases[t] = (base, first_model(base))
@@ -342,7 +345,22 @@ def ratios(summary: dict, args, num: str, den: str) -> list[str]:
 
 
 TARGETS = ["pulse", "pulse-k0", "pulse-k8", "pulse-inproc", "pulse-w0", "pulse-serial", "pulse-eager", "pulse-fit",
-           "pulse-hold", "pulse-q4", "pulse-qgc", "pulse-att", "pulse-w2", "llama"]
+           "pulse-hold", "pulse-q4", "pulse-qgc", "pulse-att", "pulse-w2", "pulse-base", "llama"]
+
+
+def target_env(name: str, env: dict, args) -> dict:
+    """Served's `env` and `cwd` for the `pulse serve` of target pulse-`name`: pulse-att's kernel settings; pulse-base
+    started in --base-tree with that tree first on the path (python -m puts the working directory first, and Ray's
+    workers and the engine process inherit both), so that every process it starts runs that tree's code."""
+    if name == "att":
+        return {"env": {**env, **att_env(args.att_variant)}}
+    if name != "base":
+        return {"env": env}
+    base = Path(args.base_tree or "").resolve()
+    if not args.base_tree or not (base / "pulse" / "cli.py").is_file():
+        raise SystemExit(f"pulse-base needs --base-tree: a tree with pulse/cli.py (got {args.base_tree!r})")
+    return {"env": {**env, "PYTHONPATH": os.pathsep.join([str(base), *env["PYTHONPATH"].split(os.pathsep)[1:]])},
+            "cwd": base}
 
 
 def att_env(variant: str) -> dict[str, str]:
@@ -400,6 +418,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker-queue", type=int, help=(
         "admission.worker_queue_max for the pulse and pulse-k0 targets (default: unset, so the device profile's "
         "worker_queue, else 4): requests a worker is sent beyond its batch; pulse-q4 runs with 4"))
+    ap.add_argument("--base-tree", default=os.environ.get("BENCH_BASE_TREE") or (
+        str(REPO / ".base") if (REPO / ".base").is_dir() else ""), help=(
+        "target pulse-base: another commit's tree to serve from (default: $BENCH_BASE_TREE, else .base when there)"))
     ap.add_argument("--att-variant", default=os.environ.get("BENCH_ATT_VARIANT", ""), help=(
         "the pulse-att target's attention kernel: PULSE_GPU_ATT_* settings without the prefix, e.g. "
         "'MIN_BLOCKS=2 UNROLL=2' (workers/cupy/gpu/kernels.py; default: $BENCH_ATT_VARIANT)"))
