@@ -219,8 +219,8 @@ def summarize(records: list[dict], targets: Sequence[str], clients: Sequence[int
 def report(args, records, targets, machine, started) -> dict:
     summary = summarize(records, list(targets), args.clients)
     params = vars(args) | {"targets": targets, "loop": loops.resolve(args.loop)}
-    return protocol.publish("gateway_overhead", records, summary, params, started, machine, verdict(summary, args.clients),
-                            TABLE_METRICS, PLOT_METRICS, args.out)
+    return protocol.publish("gateway_overhead", records, summary, params, started, machine,
+                            verdict(summary, args.clients), TABLE_METRICS, PLOT_METRICS, args.out)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
