@@ -43,6 +43,11 @@
 #     --warmup 1 --duration 30 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=560
 #     bash bench/gpu_served.sh story
 # The attention kernel's variants alone and served: bench/gpu_attention.sh, then pulse-att with BENCH_ATT_VARIANT.
+# A change against the commit before it, served in the same repeats (pulse-base: that commit's tree, archived beside
+# this one by `BASE=REV bash bench/gpu_clean_copy.sh` into .device/clean/.base), e.g. the engine's host work a step:
+#   TARGETS="pulse pulse-base" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
+#     --warmup 1 --duration 30 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=480
+#     bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 home=${PULSE_DEVICE_HOME:-/root/pulse-device}
