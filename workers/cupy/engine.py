@@ -439,8 +439,8 @@ class Engine:
 
 def row_constants(seq: Sequence) -> tuple[int, int, int, int, int]:
     """What a sequence's sample rows share all its life, kept on it: its seed's key, its prompt length, 1/T as
-    float32 bits (0 when greedy: packed_rows' temperature column), whether it asks for logprobs, and what its rows
-    ask beyond a plain draw (sampler.row_asks' bits)."""
+    float32 bits (0 when greedy: the packed temperature column, SampleRow.inv_temperature rounded to float32),
+    whether it asks for logprobs, and what its rows ask beyond a plain draw (sampler.row_asks' bits)."""
     p = seq.sampling
     inv = 0 if p.greedy else int(np.float32(1.0 / p.temperature).view(np.uint32))
     seq.row_constants = (seq.seed_key(), seq.num_prompt_tokens, inv, int(seq.logprobs is not None),

@@ -43,8 +43,12 @@ class SampleRow:
     @property
     def truncated(self) -> bool:
         """Sampled with top-k, top-p or min-p: the row is masked before the draw."""
-        p = self.params
-        return not self.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0)
+        return truncated(self.params)
+
+
+def truncated(params: SamplingParams) -> bool:
+    """A row with these params is sampled with top-k, top-p or min-p (masked before the draw)."""
+    return not params.greedy and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 # What a row asks beyond the plain draw (bits of row_asks, and of SampleRows.asks for a whole step): each is a
@@ -57,9 +61,8 @@ ASK_PENALIZED = 8  # presence / frequency penalties
 
 def row_asks(params: SamplingParams, logprobs: int | None) -> int:
     """The ASK_* bits of a row with these sampling params and logprobs ask (SampleRow's properties' rules)."""
-    truncated = not params.greedy and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0)
     return ((logprobs is not None) * ASK_LOGPROBS | ((logprobs or 0) > 0) * ASK_ALTERNATIVES
-            | truncated * ASK_TRUNCATED | params.penalized * ASK_PENALIZED)
+            | truncated(params) * ASK_TRUNCATED | params.penalized * ASK_PENALIZED)
 
 
 def rows_ask(rows, bits: int) -> bool:
@@ -80,8 +83,7 @@ class SampleRows(Sequence):
 
     __slots__ = ("params", "logprobs", "lo", "hi", "packed", "asks", "_rows")
 
-    def __init__(self, params: list, logprobs: list, lo: np.ndarray, hi: np.ndarray, packed: np.ndarray,
-                 asks: int | None = None):
+    def __init__(self, params: list, logprobs: list, lo: np.ndarray, hi: np.ndarray, packed: np.ndarray, asks: int):
         self.params, self.logprobs, self.lo, self.hi = params, logprobs, lo, hi
         self.packed, self.asks, self._rows = packed, asks, None
 
@@ -114,30 +116,15 @@ def pack_rows(rows, out: np.ndarray) -> None:
     out[:, 3] = np.fromiter((r.logprobs is not None for r in rows), np.int32, n)
 
 
-def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray,
-                like: np.ndarray | None = None, asks: int | None = None) -> SampleRows:
-    """SampleRows for rows with these sampling params, logprobs asks and key words (rng.index_keys), packed
-    as they are built. `like`: the packing of an earlier call with the same params and logprobs asks, whose
-    temperature and logprob columns are taken as they are. `asks`: what the rows ask (the OR of their row_asks)
-    when the caller knows it; computed here otherwise."""
-    n = len(params)
-    packed = np.empty((n, 4), np.int32) if like is None else like.copy()
+def packed_rows(params: list[SamplingParams], logprobs: list, lo: np.ndarray, hi: np.ndarray, like: np.ndarray,
+                asks: int) -> SampleRows:
+    """SampleRows for rows with these sampling params, logprobs asks and key words (rng.index_keys), packed as
+    they are built: `like` holds the rows' temperature and logprob columns (pack_rows' layout; Engine.sample_rows
+    fills them from each sequence's row constants), `asks` what the rows ask (the OR of their row_asks)."""
+    packed = like.copy()
     packed[:, 0] = lo.view(np.int32)
     packed[:, 1] = hi.view(np.int32)
-    if asks is None:
-        asks = 0
-        for p, lp in zip(params, logprobs):
-            asks |= row_asks(p, lp)
-    rows = SampleRows(params, logprobs, lo, hi, packed, asks)
-    if like is not None:
-        return rows
-    # SampleRow.inv_temperature for all rows at once: 1/T in double rounded to float32, 0 where greedy
-    temps = np.fromiter((p.temperature for p in params), np.float64, n)
-    greedy = np.fromiter((p.greedy for p in params), bool, n)  # SamplingParams' own rule, not a copy of it
-    with np.errstate(divide="ignore"):
-        packed[:, 2] = np.where(greedy, 0.0, 1.0 / temps).astype(np.float32).view(np.int32)
-    packed[:, 3] = np.fromiter((lp is not None for lp in logprobs), np.int32, n)
-    return rows
+    return SampleRows(params, logprobs, lo, hi, packed, asks)
 
 
 class Sampler:
