@@ -16,7 +16,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,10 +79,19 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[
         if rec["phase"] != "measure":
             continue
         metrics = grouped.setdefault(rec["config"], {})
-        for name, value in rec["metrics"].items():
-            if value is not None:
-                metrics.setdefault(name, []).append(float(value))
+        for name, value in _flat(rec["metrics"]):
+            metrics.setdefault(name, []).append(value)
     return {cfg: {m: spread(v) for m, v in ms.items()} for cfg, ms in grouped.items()}
+
+
+def _flat(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """A run's numeric metrics; a nested mapping (bench/served.py's step-thread `phases`, the attention kernel's
+    variant) as `name.key`, anything else that is not a number (None, text) left out."""
+    for name, value in metrics.items():
+        if isinstance(value, Mapping):
+            yield from _flat(value, f"{prefix}{name}.")
+        elif isinstance(value, (int, float)):
+            yield f"{prefix}{name}", float(value)
 
 
 def by_repeat(records: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Metrics]]:
