@@ -8,6 +8,9 @@
 # and why the refused were refused (bench/loadgen.py's `refusals`).
 #   bash bench/replica_queues.sh                         # this tree
 #   TREE_B=/tmp/wt-old RUNS=3 bash bench/replica_queues.sh
+#   BATCH=64 WQ=32 TOKENS=8 RATE=25 CLIENTS=400 PER=4 ROUNDS=2 RUNS=3 TREE_B=/tmp/wt-old bash bench/replica_queues.sh
+#     (how full the places stay past saturation on 2 cores: a smaller batch, so that the box's gateways are not the
+#     limit, and requests as short as the H200's; BATCH and WQ: the load-test backend's places and worker queue)
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 port=${PORT:-18431}
@@ -23,7 +26,7 @@ server: {port: $port, host: 127.0.0.1, gateway_replicas: ${REPLICAS:-4}}
 workers:
   backend: loadtest
   count: 1
-  loadtest: {tokens: ${TOKENS:-16}, tokens_per_s: ${RATE:-20}, batch: 256, worker_queue: 128}
+  loadtest: {tokens: ${TOKENS:-16}, tokens_per_s: ${RATE:-20}, batch: ${BATCH:-256}, worker_queue: ${WQ:-128}}
 keys: {file: $d/keys.json}
 telemetry: {log_level: WARNING}
 YAML

@@ -33,6 +33,9 @@ from workers.protocol import (
 )
 
 log = logging.getLogger("pulse.gateway.pool")
+# the stats poll's interval while requests wait for places (WorkerPool.poll_delay); a stats answer is small, and only
+# gateways with a queue poll this often
+BUSY_POLL_S = 0.05
 block_batch_decoder = msgspec.json.Decoder(BlockBatch)
 
 Discover = Callable[[str | None], Awaitable[list[WorkerInfo]]]
@@ -99,13 +102,14 @@ class WorkerPool:
 
     def __init__(self, discover: Discover, *, poll_interval_s: float = 0.5, first_byte_timeout_s: float = 60.0,
                  breaker_threshold: int = 3, breaker_open_s: float = 5.0, block_index=None,
-                 sync_blocks: bool = False):
+                 sync_blocks: bool = False, busy_poll_s: float = BUSY_POLL_S):
         self._discover = discover
         self.block_index = block_index  # an in-process PrefixIndex fed from the workers' block logs
         self.sync_blocks = sync_blocks  # see fresh_blocks; False: the poll alone feeds the index
         self._blocks_at = 0.0  # when the last pull of every worker's block log started (monotonic)
         self._blocks_pull: asyncio.Future | None = None  # the pull in flight, shared by all who wait for it
         self._poll_interval = poll_interval_s
+        self._busy_poll = min(busy_poll_s, poll_interval_s)
         self._first_byte_timeout = first_byte_timeout_s
         self._breaker_threshold, self._breaker_open_s = breaker_threshold, breaker_open_s
         self.workers: dict[str, WorkerState] = {}
@@ -142,16 +146,33 @@ class WorkerPool:
         return any(w.healthy for w in self.workers.values())
 
     async def _poll_loop(self) -> None:
+        blocks_due = time.monotonic() + self._poll_interval
         while True:
-            await asyncio.sleep(self._poll_interval)
+            await asyncio.sleep(self.poll_delay())
             try:
-                await self.poll_once()
+                # the block logs at the plain interval only: a busy poll is for the places, not the index
+                now = time.monotonic()
+                await self.poll_once(blocks=now >= blocks_due)
+                if now >= blocks_due:
+                    blocks_due = now + self._poll_interval
             except Exception:  # the poller must outlive any one bad reading
                 log.exception("worker poll failed")
 
-    async def poll_once(self) -> None:
+    def poll_delay(self) -> float:
+        """Seconds until the next stats poll: `busy_poll_s` while requests wait in an admission queue (this
+        gateway's, or another replica's as the workers last said) or a worker refused one since its last poll,
+        else `poll_interval_s`. While requests wait, a place freed by another replica's request, or left free by
+        this one over its share (policy.admission.over_share), is seen only at this gateway's next poll: at the
+        plain 0.5 s the workers' places stood partly empty past saturation (the load-test backend on the 2-core
+        box, 64 places + 32 queued and 400 clients over 4 replicas: 205 req/s against 216 at 0.05 s; BENCHMARKS.md,
+        issue 25). Idle, a gateway polls at the plain interval."""
+        busy = self.queue_depth() > 0 or any(w.refused or w.stats.gateways_waiting > 0
+                                             for w in self.workers.values())
+        return self._busy_poll if busy else self._poll_interval
+
+    async def poll_once(self, blocks: bool = True) -> None:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
-        if self.block_index is not None:
+        if blocks and self.block_index is not None:
             await self._sync_blocks()
 
     async def fresh_blocks(self) -> None:

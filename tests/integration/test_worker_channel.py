@@ -6,6 +6,7 @@ streams; out-of-bounds GenerateRequests get 400 from the worker even though no g
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -177,6 +178,43 @@ async def test_gateways_hear_each_others_queues_through_the_worker(worker):
         async with http.get(url + "/stats", headers=auth) as r:
             body = await r.json()
             assert body.get("gateways_waiting", 0) == 0 and body.get("other_gateways", 0) == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_gateway_polls_fast_while_requests_wait_anywhere(worker):
+    """While requests wait in an admission queue, this gateway's or another's (as the worker tells it), the stats
+    poll runs at busy_poll_s, so a place another replica's request freed, or one a replica over its share left free,
+    is seen within that time; with nothing waiting anywhere the poll keeps its plain interval."""
+    srv, url, http = worker
+    info = WorkerInfo("w0", url, "loadtest", secret=srv.secret)
+
+    async def discover(worker_id):
+        return [info]
+
+    a = WorkerPool(discover, poll_interval_s=30, busy_poll_s=0.05)
+    b = WorkerPool(discover, poll_interval_s=30, busy_poll_s=0.05)
+    waiting = 4
+    b.queue_depth = lambda: waiting
+    await b.start()  # b polls first: the worker knows b's queue before a's first poll
+    await a.start()
+    try:
+        assert b.poll_delay() == 0.05  # its own queue
+        assert a.workers["w0"].stats.gateways_waiting == 4 and a.poll_delay() == 0.05  # b's, through the worker
+        seen = a.workers["w0"].last_seen
+        await asyncio.sleep(0.5)
+        assert a.workers["w0"].last_seen > seen  # its loop polled again well before 30 s
+        waiting = 0
+        await b.poll_once()
+        await a.poll_once()
+        assert a.poll_delay() == 30 and b.poll_delay() == 30
+        await asyncio.sleep(0.15)  # the poll each loop had already set for 0.05 s
+        seen = a.workers["w0"].last_seen
+        await asyncio.sleep(0.3)
+        assert a.workers["w0"].last_seen == seen  # idle: no poll before the plain interval
+        a.workers["w0"].refused = True  # the worker said no since the last poll: find out soon when it has room
+        assert a.poll_delay() == 0.05
     finally:
         await a.close()
         await b.close()
