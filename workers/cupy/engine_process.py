@@ -34,7 +34,7 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-STATS_EVERY_S = 0.05  # the gateway polls every 0.5 s; routing wants running counts fresher than that
+STATS_EVERY_S = 0.05  # as often as a gateway polls while requests wait for places (gateway/pool.py poll_delay)
 START_TIMEOUT_S = 600.0  # the first start dequantizes and caches weights; a GPU engine captures its graphs
 
 
