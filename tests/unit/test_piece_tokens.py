@@ -18,8 +18,11 @@ MARKERS = ["<start_of_turn>", "<end_of_turn>"]
 FRAGMENTS = ["<start_of_turn>", "<end_of_turn>", "<start_of_turn", "start_of_turn>", "<end_of_", "<bos>", "<eos>",
              "<unused0>", "<", ">", "\n", "\n\n", "\n\n\n", " ", "  ", "\t", "\r\n", "\u2581", "é", "日本語", "🎉",
              "<end_of_turn>\n<start_of_turn>model\n", "user", "model", "\u00a0", "\u200b"]
-# without U+FDD0/U+FDD1: the prompt builder's own markers, refused in content with a 400 (test_chat_template.py)
-TEXT = st.lists(st.one_of(st.text(st.characters(exclude_characters="\ufdd0\ufdd1"), max_size=24),
+# without U+FDD0/U+FDD1: the prompt builder's own markers, refused in content with a 400 (test_chat_template.py);
+# without lone surrogates (category Cs): no request carries one, both JSON decoders of the API (msgspec, pydantic)
+# refuse a "\ud800" escape, and the tokenizer takes only valid str (a hypothesis run drew '\ud800', 2026-12-04)
+TEXT = st.lists(st.one_of(st.text(st.characters(exclude_characters="\ufdd0\ufdd1", exclude_categories=("Cs",)),
+                                  max_size=24),
                           st.sampled_from(FRAGMENTS)), max_size=12).map("".join)
 ROLES = ["system", "user", "assistant", "tool", "developer"]
 CHECKS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -91,12 +91,21 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
             local_raw = _scatter_rows((seq.local_table for seq in seqs), local_lens, max_blocks, np.int64)
     if not drafts and bool((counts == 1).all()):  # a pure decode step: each sequence's next known token
         tokens = [seq.token_ids[seq.num_computed] for seq in seqs]
+    elif not drafts:  # decodes beside prompt chunks (under load, most steps admit a request): no per-row NumPy
+        tokens = []
+        take, extend = tokens.append, tokens.extend
+        for seq, n in scheduled:
+            if n == 1:
+                take(seq.token_ids[seq.num_computed])
+            else:
+                start = seq.num_computed
+                extend(seq.token_ids[start : start + n])
     else:
         tokens = []
         for b, (seq, n) in enumerate(scheduled):
             start = seq.num_computed
-            tokens += seq.token_ids[start : start + n - int(drafted[b])]
-            if drafted[b]:
+            tokens += seq.token_ids[start : start + n - len(drafts.get(b, ()))]
+            if b in drafts:
                 tokens += drafts[b]
     # a sequence whose chunk reaches the end of its known tokens (drafts included) gets logits rows: its last
     # known token's and each draft token's

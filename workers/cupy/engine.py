@@ -324,21 +324,21 @@ class Engine:
         # kept for the last list of sequences: most steps draw for the same sequences as the one before
         cached = self._row_inputs
         if cached is not None and cached[0] == seqs:  # list equality: identity first, per element
-            _, mixed, prompt, params, logprobs, packed, asks = cached
+            sources, mixed, prompt, packed, asks = cached
         else:  # another list (under load, most steps: a request ended, another joined): each sequence's own
             # constants, computed once in its life (row_constants), into columns in one conversion
             cols = np.fromiter(chain.from_iterable(s.row_constants or row_constants(s) for s in seqs), np.uint64,
                                5 * n).reshape(n, 5)  # ~0.6x np.array's time on a list of tuples
             mixed, prompt = cols[:, 0], cols[:, 1]
-            params, logprobs = [s.sampling for s in seqs], [s.logprobs for s in seqs]
             packed = np.empty((n, 4), np.int32)
             packed[:, 2:] = cols[:, 2:4].astype(np.uint32).view(np.int32)
             asks = int(np.bitwise_or.reduce(cols[:, 4])) if n else 0
-            self._row_inputs = (list(seqs), mixed, prompt, params, logprobs, packed, asks)
+            sources = list(seqs)  # kept by this cache and by the rows (their params and logprobs asks, when read)
+            self._row_inputs = (sources, mixed, prompt, packed, asks)
         index = np.fromiter((len(s.token_ids) for s in seqs), np.uint64, n) - prompt  # num_output, no property
         if ahead is not None:
             index += np.asarray(ahead, np.uint64)
-        return packed_rows(params, logprobs, *index_keys(mixed, index), packed, asks)
+        return packed_rows(sources, *index_keys(mixed, index), packed, asks)
 
     def _sample(self, logits, seqs: list[Sequence], index=None, rows: list[SampleRow] | None = None
                 ) -> list[StepOutput]:
