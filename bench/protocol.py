@@ -11,6 +11,7 @@ schedule; `write_result` stores JSON (with the command line and machine), a Mark
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import shlex
 import statistics
@@ -90,7 +91,7 @@ def _flat(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, f
     for name, value in metrics.items():
         if isinstance(value, Mapping):
             yield from _flat(value, f"{prefix}{name}.")
-        elif isinstance(value, (int, float)):
+        elif isinstance(value, numbers.Real):  # NumPy's scalars too, as float() took them before
             yield f"{prefix}{name}", float(value)
 
 

@@ -152,8 +152,9 @@ class WorkerPool:
             try:
                 # the block logs at the plain interval only: a busy poll is for the places, not the index
                 now = time.monotonic()
-                await self.poll_once(blocks=now >= blocks_due)
-                if now >= blocks_due:
+                pull = now >= blocks_due
+                await self.poll_once(blocks=pull)
+                if pull:
                     blocks_due = now + self._poll_interval
             except Exception:  # the poller must outlive any one bad reading
                 log.exception("worker poll failed")

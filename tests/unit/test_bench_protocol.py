@@ -1,6 +1,7 @@
 """The measurement protocol: interleaving order, warm-up discarded, median/spread math, result shape."""
 import json
 
+import numpy as np
 import pytest
 
 from bench import protocol
@@ -65,12 +66,12 @@ def test_summarize_flattens_nested_metrics_and_leaves_out_what_is_not_a_number()
     # bench/served.py's runs carry the step thread's phases and the attention kernel's variant as mappings
     # (2026-12-04 on the H200 a whole call's summary was lost to float() of a dict)
     records = [_rec("measure", 0, "A", tok_s=5.0, phases={"build": 0.3, "append": 0.1}, note="text"),
-               _rec("measure", 1, "A", tok_s=7.0, phases={"build": 0.5}, attention={"ASYNC": 1})]
+               _rec("measure", 1, "A", tok_s=7.0, phases={"build": 0.5}, attention={"ASYNC": 1}, n=np.int64(3))]
     s = protocol.summarize(records)
     assert s["A"]["tok_s"]["median"] == 6.0
     assert s["A"]["phases.build"] == {"median": 0.4, "min": 0.3, "max": 0.5, "n": 2}
     assert s["A"]["phases.append"]["n"] == 1 and s["A"]["attention.ASYNC"]["median"] == 1.0
-    assert "note" not in s["A"]
+    assert "note" not in s["A"] and s["A"]["n"]["median"] == 3.0  # NumPy's integers count as numbers
 
 
 def test_by_repeat_groups_measured_records():
