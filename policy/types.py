@@ -8,12 +8,18 @@
 - `RouteRequest`: what routing needs of a request (token counts, session, a per-gateway sequence number).
 - `RouteDecision`: the chosen worker (None if none can serve) and a short machine-readable reason.
 - `AdmissionRequest`, `QueueState`, `AdmissionDecision`: admission's inputs and answer.
+
+They are frozen msgspec Structs, not frozen dataclasses: the gateway builds several per request (a WorkerLoad per
+candidate worker on every routing decision and admission re-check), and a frozen dataclass's construction sets
+each field through object.__setattr__ (a 24-field WorkerLoad: ~9.5 us against ~3 us for the Struct on the 2-core
+box; a whole routing decision with one worker 58 -> 44 us).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+import msgspec
 
 RouteReason = Literal[
     "prefix_hit",  # best cost, helped by a cached prefix
@@ -28,8 +34,7 @@ RouteReason = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
+class WorkerLoad(msgspec.Struct, frozen=True):
     """A worker's load. Field names match workers.protocol.BackendStats, plus gateway-side counts."""
 
     worker_id: str
@@ -93,7 +98,7 @@ class WorkerLoad:
         return max(0, free_blocks * self.block_size - self.reserved_kv_tokens)
 
 
-_WORKER_LOAD_FIELDS = frozenset(f.name for f in fields(WorkerLoad)) - {"worker_id"}
+_WORKER_LOAD_FIELDS = frozenset(WorkerLoad.__struct_fields__) - {"worker_id"}
 
 
 def load_fields(stats: Any) -> dict[str, Any]:
@@ -101,8 +106,7 @@ def load_fields(stats: Any) -> dict[str, Any]:
     return {k: getattr(stats, k) for k in stats.__struct_fields__ if k in _WORKER_LOAD_FIELDS}
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(msgspec.Struct, frozen=True):
     prompt_tokens: int
     max_tokens: int = 0
     session_id: str | None = None  # x-session-id
@@ -110,8 +114,7 @@ class RouteRequest:
     seq: int = 0  # per-gateway request counter: round-robin position and tie-break rotation
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
+class RouteDecision(msgspec.Struct, frozen=True):
     worker_id: str | None  # None only with reason "no_healthy_worker"
     reason: RouteReason
     cached_tokens: int = 0  # prompt tokens the chosen worker is expected to hold
@@ -119,8 +122,7 @@ class RouteDecision:
     strategy: str = "pulse"
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
+class AdmissionRequest(msgspec.Struct, frozen=True):
     prompt_tokens: int
     max_tokens: int
     cached_tokens: int = 0  # prefix the target worker holds (from the routing decision)
@@ -128,11 +130,10 @@ class AdmissionRequest:
     context_length: int = 0  # the served context window; 0: unknown (no 400 check)
 
 
-@dataclass(frozen=True, slots=True)
-class QueueState:
+class QueueState(msgspec.Struct, frozen=True):
     """The gateway's admission queue right now."""
 
-    depth_by_priority: Mapping[int, int] = field(default_factory=dict)  # queued requests per priority
+    depth_by_priority: Mapping[int, int] = msgspec.field(default_factory=dict)  # queued requests per priority
     drain_rate_per_s: float = 0.0  # requests leaving the queue per second, measured (DrainRate)
     queued: int = 0  # everyone in the queue, those behind the asking request too (its demand: admission's share)
 
@@ -148,8 +149,7 @@ class QueueState:
 AdmissionAction = Literal["admit", "queue", "reject"]
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionDecision:
+class AdmissionDecision(msgspec.Struct, frozen=True):
     action: AdmissionAction
     status: int = 200  # HTTP status to answer with when rejected (400, 429, 503)
     code: str = ""  # OpenAI-style error code, e.g. "rate_limited", "context_length_exceeded"
