@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# bench/gateway_overhead.py on the H200 test machine's host (16 cores; the GPU unused: the load-test backend), for
+# issue 20's "both boxes". Stage first (bench/gpu_stage_ray.sh's stages: Ray and the serving stack), then from a
+# clean copy (`BASE=REV bash bench/gpu_clean_copy.sh`: REV's tree in .base is the second Pulse target):
+#   cd .device/clean && bash bench/gpu_gateway.sh fast   # 1 and 32 clients, this tree against .base, 5 repeats
+#   cd .device/clean && bash bench/gpu_gateway.sh held   # 256 and 1,000 held streams (4 tokens/s), this tree only
+# T bounds the bench in seconds (default 400); the table, the JSON and a tarball of the logs land in $OUT.
+set -u
+h=${PULSE_DEVICE_HOME:-/root/pulse-device}
+export PYTHONPATH=$h/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
+G=$h/model/gemma-3-270m-q4_k_m.gguf
+touch -d @1700000000 "$G"
+uptime
+PC="python3 -m pulse.cli serve --backend loadtest --model $G --host 127.0.0.1 --port {port} --config {config}"
+PB="sh -c 'cd $PWD/.base && PYTHONPATH=$h/site:$PWD/.base exec python3 -m pulse.cli serve --backend loadtest \
+--model $G --host 127.0.0.1 --port {port} --config {config}'"
+d=/tmp/gw-${1:-fast}-$(date +%s)
+if [[ ${1:-fast} == fast ]]; then
+  b=(); [[ -d .base ]] && b=(--pulse-b-cmd "$PB")
+  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 1 32 --repeats 5 --warmup 1 \
+    --duration 3 --pulse-cmd "$PC" "${b[@]}" --out "$d" --quiet
+else
+  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 256 1000 --rate 4 --repeats 2 \
+    --warmup 1 --duration 6 --pulse-cmd "$PC" --out "$d" --quiet
+fi
+uptime
+python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+cp "$d"/*.md "$d"/*.json "${OUT:-/tmp}/" 2>/dev/null
+tar czf "${OUT:-/tmp}/gw-${1:-fast}-logs.tgz" -C "$d" . 2>/dev/null
