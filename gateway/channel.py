@@ -21,14 +21,10 @@ read, the kernel's bounded receive buffer fills, and the worker's writes block (
 connection is reused only after its response was read to the end; an idle one is dropped after
 `keepalive_s` (below the worker's server keep-alive, so the worker never closes one as it is handed out),
 and a reused one that the worker closed before answering is retried once on a fresh connection.
-
-A worker on the gateway's own node also listens on a Unix socket (workers/stream.py); `open(..., unix=path)` uses
-it, the same exchange at a third of loopback TCP's cost a message with hundreds of streams open.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -44,7 +40,6 @@ RCVBUF = 256 * 1024  # a worker socket's receive buffer: what piles up in the ke
 HIGH_WATER = 64 * 1024  # bytes of unread lines at which this end stops reading the socket
 LINGER_S = 1.0  # how long a stream closed after its final chunk waits for the chunked terminator to keep its connection
 _lines = msgspec.json.Decoder(Chunk)
-log = logging.getLogger("pulse.gateway.channel")
 
 
 class StaleConnection(ConnectionResetError):
@@ -65,7 +60,7 @@ class WorkerStream(ResponseFraming, asyncio.Protocol):
 
     peer = "the worker"
 
-    def __init__(self, pool: Channels, key: tuple[str, int] | str):
+    def __init__(self, pool: Channels, key: tuple[str, int]):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
@@ -225,21 +220,17 @@ class Channels:
 
     def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0, keepalive_s: float = 60.0):
         self.connect_timeout_s, self.read_timeout_s, self.keepalive_s = connect_timeout_s, read_timeout_s, keepalive_s
-        # idle connections by address: (host, port) over TCP, or a Unix socket's path
-        self._idle: dict[tuple[str, int] | str, list[WorkerStream]] = {}
-        self._no_unix: set[str] = set()  # Unix paths that could not be connected to: their workers get TCP
+        self._idle: dict[tuple[str, int], list[WorkerStream]] = {}
         self._closed = False
 
-    async def open(self, url: str, path: str, body: bytes, secret: str, unix: str = "") -> WorkerStream:
-        """POST `body` (JSON) to `url` + `path`; returns once the answer's head is in (any status). With `unix`
-        (the worker's Unix socket, on this node) the request goes there, and over TCP to `url` if that path cannot
-        be connected to (a worker in another network namespace): from then on for that path."""
+    async def open(self, url: str, path: str, body: bytes, secret: str) -> WorkerStream:
+        """POST `body` (JSON) to `url` + `path`; returns once the answer's head is in (any status)."""
         host, port, netloc = _address(url)
-        key: tuple[str, int] | str = unix if unix and unix not in self._no_unix else (host, port)
+        key = (host, port)
         head = (f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nAuthorization: Bearer {secret}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
         for _ in range(2):
-            conn = self._take(key) or await self._connect(key, (host, port))
+            conn = self._take(key) or await self._connect(key)
             conn.transport.write(head + body)
             try:
                 await conn.head()
@@ -256,8 +247,7 @@ class Channels:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if (conn.transport is not None and not conn.transport.is_closing()
-                    and now - conn.idle_since < self.keepalive_s):
+            if conn.transport is not None and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s:
                 conn._reset()
                 conn.reused = True
                 return conn
@@ -265,17 +255,8 @@ class Channels:
                 conn.transport.close()
         return None
 
-    async def _connect(self, key: tuple[str, int] | str, tcp: tuple[str, int]) -> WorkerStream:
+    async def _connect(self, key: tuple[str, int]) -> WorkerStream:
         loop = asyncio.get_running_loop()
-        if isinstance(key, str):
-            try:
-                return await self._connect_unix(key)
-            except (OSError, TimeoutError) as e:
-                if len(self._no_unix) >= 1024:  # paths of workers long gone
-                    self._no_unix.clear()
-                self._no_unix.add(key)
-                log.info("worker channel %s unreachable (%s): using TCP %s:%d", key, e, *tcp)
-                key = tcp
         async with asyncio.timeout(self.connect_timeout_s):
             family, type_, proto, _, addr = (await loop.getaddrinfo(*key, type=socket.SOCK_STREAM))[0]
             sock = socket.socket(family, type_, proto)
@@ -285,20 +266,6 @@ class Channels:
                 sock.setblocking(False)
                 await loop.sock_connect(sock, addr)
                 _, conn = await loop.create_connection(lambda: WorkerStream(self, key), sock=sock)
-            except BaseException:
-                sock.close()
-                raise
-        return conn
-
-    async def _connect_unix(self, path: str) -> WorkerStream:
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout_s):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                # a Unix stream's data is bounded by the sender's buffer: the worker's writes block as over TCP
-                sock.setblocking(False)
-                await loop.sock_connect(sock, path)
-                _, conn = await loop.create_unix_connection(lambda: WorkerStream(self, path), sock=sock)
             except BaseException:
                 sock.close()
                 raise

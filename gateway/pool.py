@@ -31,7 +31,6 @@ from workers.protocol import (
     encode,
     stats_decoder,
 )
-from workers.ray_env import node_id
 
 log = logging.getLogger("pulse.gateway.pool")
 # the stats poll's interval while requests wait for places (WorkerPool.poll_delay); a stats answer is small, and only
@@ -116,7 +115,6 @@ class WorkerPool:
         self.workers: dict[str, WorkerState] = {}
         self._session: aiohttp.ClientSession | None = None
         self._channels = Channels(connect_timeout_s=5, read_timeout_s=first_byte_timeout_s)
-        self._node = node_id()  # a worker with this node id may be reached over its Unix socket
         self._poller: asyncio.Task | None = None
         self._rediscovering: set[str] = set()
         # how this gateway names itself to the workers, and how many requests wait in its admission queue (set by
@@ -284,8 +282,7 @@ class WorkerPool:
         client yet, so the caller may retry elsewhere.
         """
         try:
-            resp = await self._channels.open(w.info.url, "/generate", encode(request), w.info.secret,
-                                             w.info.unix_path if w.info.node_id == self._node else "")
+            resp = await self._channels.open(w.info.url, "/generate", encode(request), w.info.secret)
         except (TimeoutError, OSError, ValueError) as e:
             self.record_failure(w)
             raise BackendError(f"worker {w.worker_id} unreachable: {e}", 503, "worker_unreachable") from None

@@ -16,7 +16,6 @@ from policy.profiles import builtin_profiles, select_profile
 from workers.blocklog import BlockLog
 from workers.protocol import BackendStats, WorkerInfo
 from workers.protocol.model import load_model_info
-from workers.ray_env import node_id
 from workers.registry import backend_class
 from workers.request_limits import RequestLimits
 from workers.stream import StreamServer
@@ -131,16 +130,15 @@ class WorkerActor:
             self.server = StreamServer(self.backend, host=advertised_host(self.bind_host), worker_id=self.worker_id,
                                        tracer=provider.get_tracer("pulse.worker"), limits=limits,
                                        block_log=None if self.publisher else self.block_log,
-                                       models=tuple(self.config.model.ids), unix=True)
+                                       models=tuple(self.config.model.ids))
             url = await self.server.start()
             stats = self.backend.stats()
             # the channel secret reaches gateways only through Ray (this return value), never the network
             self.info_ = WorkerInfo(worker_id=self.worker_id, url=url, backend=self.config.workers.backend,
                                     model=self.config.model.name,
-                                    node_id=node_id(), device=device_name, device_id=device_id(kind),
+                                    node_id=_node_id(), device=device_name, device_id=device_id(kind),
                                     block_size=stats.block_size, prefix_seed=model.chain_root.hash,
-                                    context_length=ctx, secret=self.server.secret,
-                                    unix_path=self.server.unix_path)
+                                    context_length=ctx, secret=self.server.secret)
             log.info("worker %s ready at %s (%s, profile %s)", self.worker_id, url, device_name, profile.name)
             return self.info_
 
@@ -188,3 +186,14 @@ class WorkerActor:
         if self.backend:
             await self.backend.close()
         self.info_ = None
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        if not ray.is_initialized():  # run outside Ray (a test, by hand): asking would start a Ray instance
+            return ""
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return ""

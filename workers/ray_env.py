@@ -33,15 +33,3 @@ def quiet_control_plane(environ=os.environ) -> None:
 def serving_runtime_env(env_vars: dict | None = None) -> dict:
     """A runtime_env that starts the actor at nice 0 (SERVING_ENV), with `env_vars` added."""
     return {"env_vars": {**SERVING_ENV, **(env_vars or {})}}
-
-
-def node_id() -> str:
-    """This process's Ray node id; "" outside Ray (a test, by hand: asking would start a Ray instance)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return ""
-        return ray.get_runtime_context().get_node_id()
-    except Exception:
-        return ""

@@ -10,20 +10,12 @@ goes out in one write as the backend yields it, the first at once; a backend coa
 into one chunk (the engine's does), so a busy worker writes fewer, larger lines. A gateway that closes the
 connection cancels the generation: aiohttp cancels the handler and the backend's iterator is closed in
 `finally`, freeing the slot and KV blocks.
-
-On Linux the same server also answers on a Unix socket for gateways on the same node (`unix_path`): a loopback
-TCP send with hundreds of streams open costs ~3x a Unix socket's (13.6 against 4.2 us a message on the 2-core box,
-BENCHMARKS.md), and the worker makes one per stream per hand-over. The socket is in the abstract namespace (a
-name with a random part, no file): nothing is left behind by a worker that is killed, and it is reachable
-exactly as the loopback address is, from the same network namespace, so the bearer secret guards it as it
-guards TCP. Gateways elsewhere (another node, another container's namespace) use the URL.
 """
 from __future__ import annotations
 
 import hmac
 import logging
 import secrets
-import sys
 
 import cachetools
 from aiohttp import web
@@ -42,10 +34,8 @@ GATEWAYS_KEPT = 64
 class StreamServer:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, *, tracer=None,
                  worker_id: str = "", block_log=None, limits: RequestLimits | None = None,
-                 secret: str | None = None, models: tuple[str, ...] = (), unix: bool = False):
+                 secret: str | None = None, models: tuple[str, ...] = ()):
         self.block_log = block_log
-        self.unix = unix and sys.platform == "linux"  # also listen on an abstract Unix socket (start() sets unix_path)
-        self.unix_path = ""
         self.models = models  # the ids of the model it holds (served name, aliases); empty: any request's
         self.limits = limits or RequestLimits(context_length=1 << 20)
         self.secret = secret or secrets.token_urlsafe(32)
@@ -68,18 +58,7 @@ class StreamServer:
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if self.unix:
-            await self._start_unix()
         return f"http://{self.host}:{self.port}"
-
-    async def _start_unix(self) -> None:
-        """The Unix socket beside the TCP one; without it gateways use TCP, as they do from another node."""
-        path = f"\0pulse-worker-{secrets.token_hex(12)}"
-        try:
-            await web.UnixSite(self._runner, path, backlog=1024).start()
-            self.unix_path = path
-        except OSError as e:
-            log.warning("worker %s: no Unix socket (%s); gateways use TCP", self.worker_id, e)
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler):
@@ -91,7 +70,6 @@ class StreamServer:
     async def close(self) -> None:
         if self._runner:
             await self._runner.cleanup()
-        self.unix_path = ""
 
     async def stats(self, request: web.Request) -> web.Response:
         """The backend's stats. A gateway polling with `?gateway=<its id>&waiting=<its queue>` also says how many

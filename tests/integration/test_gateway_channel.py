@@ -3,15 +3,12 @@
 - a real StreamServer (load-test backend): consecutive requests reuse one connection; a stream closed
   mid-way drops its connection and the worker cancels the generation (its slot comes back);
 - an aiohttp server that closes idle keep-alive connections quickly: the next request still succeeds;
-- nothing listening: a ConnectionRefusedError (what the pool turns into a 503 worker_unreachable);
-- the worker's Unix socket (a gateway on its node): the same exchange, its secret and its cancellation, with nothing
-  on the TCP address; a path that cannot be reached falls back to TCP.
+- nothing listening: a ConnectionRefusedError (what the pool turns into a 503 worker_unreachable).
 """
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from aiohttp import web
 
 from gateway import channel
@@ -23,10 +20,10 @@ from workers.protocol import GenerateRequest, encode
 from workers.stream import StreamServer
 
 
-def _server(tokens: int, rate: float = 0.0, unix: bool = False) -> StreamServer:
+def _server(tokens: int, rate: float = 0.0) -> StreamServer:
     config = PulseConfig.model_validate({"workers": {"backend": "loadtest",
                                                      "loadtest": {"tokens": tokens, "tokens_per_s": rate}}})
-    return StreamServer(LoadTestBackend(config, worker_id="w0"), worker_id="w0", unix=unix)
+    return StreamServer(LoadTestBackend(config, worker_id="w0"), worker_id="w0")
 
 
 def _gen(rid: str, max_tokens: int = 4) -> bytes:
@@ -193,67 +190,3 @@ async def test_a_terminator_that_does_not_come_within_the_linger_drops_the_conne
     finally:
         await channels.close()
         await runner.cleanup()
-
-
-NOTHING_ON_TCP = "http://127.0.0.1:1"  # port 1: nothing listens, so a stream that comes proves the Unix socket
-
-
-async def test_the_unix_socket_streams_every_chunk_and_keeps_its_connection():
-    srv = _server(tokens=4, unix=True)
-    await srv.start()
-    channels = Channels()
-    try:
-        assert srv.unix_path.startswith("\0pulse-worker-")  # abstract: no file to leave behind
-        seen = set()
-        for i in range(3):
-            s = await channels.open(NOTHING_ON_TCP, "/generate", _gen(f"r{i}"), srv.secret, unix=srv.unix_path)
-            assert s.status == 200
-            chunks = [c async for batch in s.batches() for c in batch]
-            assert [c.text for c in chunks[:-1]] == [" t0", " t1", " t2", " t3"]
-            assert chunks[-1].finish_reason == "length"
-            seen.add(id(s))
-            s.close()
-        assert len(seen) == 1 and channels.idle_count() == 1
-        bad = await channels.open(NOTHING_ON_TCP, "/generate", _gen("r"), "wrong", unix=srv.unix_path)
-        assert bad.status == 401 and b"unauthorized" in await bad.body()  # the secret holds on this socket too
-        bad.close()
-    finally:
-        await channels.close()
-        path = srv.unix_path
-        await srv.close()
-    with pytest.raises(OSError):  # closed, the name is free: nothing answers there
-        await Channels().open(NOTHING_ON_TCP, "/generate", _gen("r"), srv.secret, unix=path)
-
-
-async def test_closing_a_unix_stream_mid_way_cancels_the_generation():
-    srv = _server(tokens=1000, rate=50.0, unix=True)
-    await srv.start()
-    channels = Channels()
-    try:
-        s = await channels.open(NOTHING_ON_TCP, "/generate", _gen("r", max_tokens=1000), srv.secret,
-                                unix=srv.unix_path)
-        assert (await s.batches().__anext__())[0].text == " t0"
-        assert srv.backend.running == 1
-        s.close()
-        await until(lambda: srv.backend.running, 0, timeout_s=5, what="the worker freeing the slot")
-        assert channels.idle_count() == 0
-    finally:
-        await channels.close()
-        await srv.close()
-
-
-async def test_a_unix_path_that_cannot_be_reached_falls_back_to_tcp_and_is_not_tried_again():
-    srv = _server(tokens=2)
-    url = await srv.start()
-    assert srv.unix_path == ""  # not asked for: TCP only
-    channels = Channels()
-    missing = "\0pulse-worker-gone"  # a name in another network namespace, as this gateway sees it
-    try:
-        for i in range(2):
-            s = await channels.open(url, "/generate", _gen(f"r{i}", max_tokens=2), srv.secret, unix=missing)
-            assert s.status == 200 and [c.text for b in [b async for b in s.batches()] for c in b][:2] == [" t0", " t1"]
-            s.close()
-        assert missing in channels._no_unix and channels.idle_count() == 1  # one TCP connection, reused
-    finally:
-        await channels.close()
-        await srv.close()

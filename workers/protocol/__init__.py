@@ -233,9 +233,6 @@ class WorkerInfo(msgspec.Struct):
     # prompt from it, so lookups name the blocks this worker publishes and never another model's
     prefix_seed: int = 0
     secret: str = ""  # the bearer secret the worker's channel demands (workers/stream.py)
-    # where the same channel answers on a Unix socket, for a gateway on the same node_id that can reach the path
-    # ("": TCP only)
-    unix_path: str = ""
 
     def __repr__(self) -> str:  # keeps the secret out of logs and tracebacks
         shown = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "secret"}
