@@ -4,6 +4,7 @@
 # clean copy (`BASE=REV bash bench/gpu_clean_copy.sh`: REV's tree in .base is the second Pulse target):
 #   cd .device/clean && bash bench/gpu_gateway.sh fast   # 1 and 32 clients, this tree against .base, 5 repeats
 #   cd .device/clean && bash bench/gpu_gateway.sh held   # 256 and 1,000 held streams (4 tokens/s), this tree only
+# REPEATS sets the measured repeats (default 5 fast, 2 held: ~190 s at 2, ~60 s a repeat more).
 # T bounds the bench in seconds (default 400); the table, the JSON and a tarball of the logs land in $OUT.
 set -u
 h=${PULSE_DEVICE_HOME:-/root/pulse-device}
@@ -18,10 +19,10 @@ PB="sh -c 'cd $PWD/.base && PYTHONPATH=$h/site:$PWD/.base exec python3 -m pulse.
 d=/tmp/gw-${1:-fast}-$(date +%s)
 if [[ ${1:-fast} == fast ]]; then
   b=(); [[ -d .base ]] && b=(--pulse-b-cmd "$PB")
-  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 1 32 --repeats 5 --warmup 1 \
+  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 1 32 --repeats ${REPEATS:-5} --warmup 1 \
     --duration 3 --pulse-cmd "$PC" "${b[@]}" --out "$d" --quiet
 else
-  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 256 1000 --rate 4 --repeats 2 \
+  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 256 1000 --rate 4 --repeats ${REPEATS:-2} \
     --warmup 1 --duration 6 --pulse-cmd "$PC" --out "$d" --quiet
 fi
 uptime

@@ -4,7 +4,7 @@
 # prompts, 128 tokens, PER_CLIENT requests per client). Staged as for bench/gpu_served.sh, plus py-spy (a static
 # binary) at $PULSE_DEVICE_HOME/py-spy. One call:
 #
-#   CLIENTS="64 256" bash bench/gpu_profile_served.sh     # -> $OUT/profile-c<C>/spy-<pid>.txt (collapsed stacks)
+#   CLIENTS="64 256" bash bench/gpu_profile_served.sh     # -> $OUT/profile-c<C>/stacks.tgz: spy-<pid>.txt (raw stacks)
 #   CLIENTS=1000 SAMPLING=t1 SERVED_EXTRA="--profile-batch --client-procs 4" bash bench/gpu_profile_served.sh
 #                                                         # past saturation: the profile's batch, the rest queued
 #
@@ -46,4 +46,6 @@ for clients in ${CLIENTS:-256}; do
   wait
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
   for f in "$out"/cpu-*.txt; do echo "$f: $(tr '\n' ' ' < "$f")"; done
+  # one file for the stacks and logs: the device call brings back only so many files
+  (cd "$out" && tar czf stacks.tgz spy-* served-logs-* served-*.md && rm -rf spy-* served-logs-* served-*.png)
 done
