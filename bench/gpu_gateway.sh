@@ -4,6 +4,7 @@
 # clean copy (`BASE=REV bash bench/gpu_clean_copy.sh`: REV's tree in .base is the second Pulse target):
 #   cd .device/clean && bash bench/gpu_gateway.sh fast   # 1 and 32 clients, this tree against .base, 5 repeats
 #   cd .device/clean && bash bench/gpu_gateway.sh held   # 256 and 1,000 held streams (4 tokens/s), this tree only
+#   B_TREE=. B_ARGS="--gateway-replicas 1" bash bench/gpu_gateway.sh fast   # this tree, 1 replica as the second
 # REPEATS sets the measured repeats (default 5 fast, 2 held: ~190 s at 2, ~60 s a repeat more).
 # T bounds the bench in seconds (default 400); the table, the JSON and a tarball of the logs land in $OUT.
 set -u
@@ -14,11 +15,13 @@ G=$h/model/gemma-3-270m-q4_k_m.gguf
 touch -d @1700000000 "$G"
 uptime
 PC="python3 -m pulse.cli serve --backend loadtest --model $G --host 127.0.0.1 --port {port} --config {config}"
-PB="sh -c 'cd $PWD/.base && PYTHONPATH=$h/site:$PWD/.base exec python3 -m pulse.cli serve --backend loadtest \
---model $G --host 127.0.0.1 --port {port} --config {config}'"
+# the second target: .base's tree (B_TREE=. for this one), with B_ARGS added (e.g. "--gateway-replicas 1")
+bt=$PWD/${B_TREE:-.base}
+PB="sh -c 'cd $bt && PYTHONPATH=$h/site:$bt exec python3 -m pulse.cli serve --backend loadtest \
+--model $G --host 127.0.0.1 --port {port} --config {config} ${B_ARGS:-}'"
 d=/tmp/gw-${1:-fast}-$(date +%s)
 if [[ ${1:-fast} == fast ]]; then
-  b=(); [[ -d .base ]] && b=(--pulse-b-cmd "$PB")
+  b=(); [[ -d $bt ]] && b=(--pulse-b-cmd "$PB")
   timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 1 32 --repeats ${REPEATS:-5} --warmup 1 \
     --duration 3 --pulse-cmd "$PC" "${b[@]}" --out "$d" --quiet
 else
