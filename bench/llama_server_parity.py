@@ -11,8 +11,9 @@ Completions send the prompt as token ids (BOS included), chat as one user messag
 (temperature 0) and `t1` (temperature 1, nothing else: OpenAI's defaults). llama-server fills unset fields
 with its own defaults (top_k 40, top_p 0.95, min_p 0.05), a narrower distribution than OpenAI's, which
 Pulse keeps; `t1exact` sends direct top_k 0, top_p 1, min_p 0 too, so both sample the same distribution.
-Per repeat, pulse is set against direct: tok_s_ratio (pulse / direct) and added TTFT p50/p99 (pulse -
-direct). Goal: ratio >= 0.95 and added p50 <= 2 ms, no 5xx.
+`--think-ms 0 50` adds cells whose clients wait between requests (bench.loadgen's think_s), each arrival at a
+random phase of llama-server's steps. Per repeat, pulse is set against direct: tok_s_ratio (pulse / direct) and
+added TTFT p50/p99 (pulse - direct). Goal: ratio >= 0.95 and added p50 <= 2 ms, no 5xx.
 `--variants` runs one `pulse serve` (and so one llama-server) per set of extra llama-server flags, all at once,
 their cells interleaved in one run: variant i's targets are `direct.vI` and `pulse.vI` (variant 0's keep the plain
 names), and each variant's direct is also set against variant 0's in the same repeat (tok_s_vs_v0), e.g.
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,8 +54,9 @@ TABLE_METRICS = ["tok_s", "tok_s_ratio", "tok_s_vs_v0", "ttft_p50_ms", "ttft_p99
 PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
 
 
-def cell(target: str, api: str, mode: str, clients: int) -> str:
-    return f"{target}/{api}/{mode}@{clients}"
+def cell(target: str, api: str, mode: str, clients: int, think_ms: float = 0) -> str:
+    """`pulse/completions/greedy@32`, with `+think50` where clients think 50 ms on average between requests."""
+    return f"{target}/{api}/{mode}@{clients}" + (f"+think{think_ms:g}" if think_ms else "")
 
 
 def target(kind: str, variant: int) -> str:
@@ -89,14 +93,15 @@ def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str, var
         prompt = ids if api == "completions" else PROMPT
         for mode in args.modes:
             both, direct_only = MODES[mode]
-            for c in args.clients:
+            for c, think in ((c, t) for c in args.clients for t in args.think_ms):
                 common = dict(api=api, prompt=prompt, clients=c, duration=args.duration, max_tokens=args.tokens,
-                              requests=max(args.min_requests, c * args.requests_per_client), timeout=args.timeout)
+                              requests=max(args.min_requests, c * args.requests_per_client), timeout=args.timeout,
+                              think_s=think / 1000.0)
                 # a new connection per request to llama-server, as Pulse's backend does: cpp-httplib closes
                 # kept-alive connections under load
-                out[cell(target("direct", variant), api, mode, c)] = LoadSpec(
+                out[cell(target("direct", variant), api, mode, c, think)] = LoadSpec(
                     url=direct_url, model=model, force_close=True, body_extra=both | direct_only, **common)
-                out[cell(target("pulse", variant), api, mode, c)] = LoadSpec(
+                out[cell(target("pulse", variant), api, mode, c, think)] = LoadSpec(
                     url=pulse_url, model=model, body_extra={**both}, **common)
     return out
 
@@ -165,11 +170,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--apis", nargs="+", choices=["completions", "chat"], default=["completions"])
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="completions prompt length in tokens")
+    ap.add_argument("--think-ms", type=float, nargs="+", default=[0.0], help=(
+        "closed loop: each client's mean wait between an answer and its next request (uniform, 0 to twice it), one "
+        "set of cells per value; 0: at once. A client that sends at once reaches llama-server in the gap after the "
+        "step that ended its last request, one a hop later misses it and waits a step: think time randomizes that"))
     ap.add_argument("--requests-per-client", type=int, default=3, help="requests per client per run")
     ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests per run")
     ap.add_argument("--duration", type=float, default=300.0, help="cap on seconds of load per run")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request")
-    ap.add_argument("--model", default="gemma-3-270m", help="the model Pulse serves: a bundled model's name or a GGUF path")
+    ap.add_argument("--model", default="gemma-3-270m",
+                    help="the model Pulse serves: a bundled model's name or a GGUF path")
     ap.add_argument("--queue-deadline", type=float, default=None,
                     help="Pulse's admission.queue_deadline_s (default: Pulse's, 30 s)")
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the device profile's)")
@@ -177,7 +187,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: Pulse's)")
     ap.add_argument("--binary", default=None, help="llama-server to run (default: Pulse's cached build)")
     ap.add_argument("--slot-affinity", choices=["on", "off"], default="on",
-                    help="off: Pulse sends no id_slot and llama-server picks each slot (workers.llama_server.slot_affinity)")
+                    help="off: Pulse sends no id_slot and llama-server picks each slot "
+                    "(workers.llama_server.slot_affinity)")
     ap.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
                     help="one pulse serve + llama-server per entry, these llama-server flags added (after "
                     "--server-args), all interleaved in one run; '' is the configuration as it is")
@@ -209,7 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse)
                      for name, s in vcells.items()}
             servers.append((v, flags, llama_pid, vdir))
-        records = loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet), args.loop)
+        records: list = []
+        try:
+            loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet, records), args.loop)
+            interrupted = []
+        except KeyboardInterrupt:  # SIGINT: bench/gpu_parity.sh's time limit; summarize the runs that ended
+            interrupted = [f"interrupted after {len(records)} of {len(runs) * (args.repeats + args.warmup)} runs: "
+                           "cells with no measured run are missing"]
+            print(interrupted[0], file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second SIGINT while the servers stop would lose the summary
         summary = summarize(records, list(cells))
         params = vars(args) | {"loop": loops.resolve(args.loop), "llama_servers": []}
         for v, flags, llama_pid, vdir in servers:
@@ -221,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             "launches": launches})
             log_lines += [f"variant {v} ({flags or 'as configured'}): {line}" for line in server_log.lines(launches)]
         protocol.publish("llama_server_parity", records, summary, params, started, machine,
-                         verdict(summary) + log_lines, TABLE_METRICS, PLOT_METRICS, args.out)
+                         verdict(summary) + log_lines + interrupted, TABLE_METRICS, PLOT_METRICS, args.out)
     return 0
 
 

@@ -22,6 +22,7 @@ import asyncio
 import ipaddress
 import json
 import multiprocessing
+import random
 import re
 import socket
 import sys
@@ -64,6 +65,11 @@ class LoadSpec:
     # closed loop: client i sends its first request i * stagger_s / clients seconds after the start, so the clients'
     # requests end and arrive spread over time as independent agents' do, not in lockstep (0: all at once)
     stagger_s: float = 0.0
+    # closed loop: after each answer a client waits a uniform draw from [0, 2 * think_s) seconds (mean think_s, each
+    # client its own seeded draws) before its next request, as an agent runs a tool between turns; 0: at once. A
+    # server that takes new requests only between its steps (llama-server) gives a client that answers at once the
+    # gap right after the step that ended its last request; think time puts every arrival at a random phase
+    think_s: float = 0.0
     # spread the clients (and the requests) over this many processes, capped at clients: one process's event loop
     # tops out near one core at ~1,000 streams, and then limits the figures; 1: all in this process
     procs: int = 1
@@ -361,10 +367,13 @@ async def _closed_loop(spec, session, url, body, start, results, share: _Share |
         nonlocal issued
         if spec.stagger_s > 0:
             await asyncio.sleep(i * spec.stagger_s / spec.clients)
+        draws = random.Random(i)
         while _budget(spec, start, issued):
             issued += 1
             results.append(await one_request(session, url, nth_body(spec, body, share.index(issued - 1)),
                                              spec.stream))
+            if spec.think_s > 0 and _budget(spec, start, issued):
+                await asyncio.sleep(draws.uniform(0.0, 2.0 * spec.think_s))
 
     await asyncio.gather(*(client(i) for i in range(share.first, share.first + share.count)))
 
@@ -443,6 +452,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[str, LoadSpec]:
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--rate", type=float, default=None, help="requests/s, open loop (default: closed loop)")
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--think-s", type=float, default=0.0, help=(
+        "closed loop: a client's mean wait between an answer and its next request (uniform, 0 to twice it)"))
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--api-key", default=None)

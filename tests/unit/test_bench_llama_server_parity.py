@@ -72,3 +72,17 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     assert lines[0].startswith("MISS pulse/completions/t1exact@8: tok/s x0.90")
     assert lines[1] == "VS0  direct.v1/completions/t1exact@8: tok/s x1.50 (1.50-1.50) of variant 0's direct"
     assert lines[2].startswith("MET  pulse.v1/completions/t1exact@8: tok/s x1.00")  # 1.00x and +1 ms: the goals
+
+
+def test_think_time_cells_pair_with_their_own_direct():
+    args = _parse(["--clients", "8", "--modes", "greedy", "--think-ms", "0", "50"])
+    cells = specs(args, [2, 10, 11], "http://127.0.0.1:1", "gemma", "http://127.0.0.1:2")
+    assert sorted(cells) == ["direct/completions/greedy@8", "direct/completions/greedy@8+think50",
+                             "pulse/completions/greedy@8", "pulse/completions/greedy@8+think50"]
+    assert cells["pulse/completions/greedy@8"].think_s == 0.0
+    thinking = cells["pulse/completions/greedy@8+think50"], cells["direct/completions/greedy@8+think50"]
+    assert thinking[0].think_s == thinking[1].think_s == 0.05
+    records = [rec("direct/completions/greedy@8+think50", 0, 100.0, 50.0, 80.0),
+               rec("pulse/completions/greedy@8+think50", 0, 98.0, 52.0, 81.0)]
+    d = {r["config"]: r["metrics"] for r in derive(records)}
+    assert d["pulse/completions/greedy@8+think50"]["added_ttft_p50_ms"] == 2.0

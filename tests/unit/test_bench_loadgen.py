@@ -96,3 +96,38 @@ async def test_closed_loop_clients_start_spread_over_the_stagger(monkeypatch, st
     offsets = sorted(s - min(starts) for s in starts)
     for i, at in enumerate(offsets):
         assert at == pytest.approx(i * stagger / 4, abs=0.05)
+
+
+async def test_closed_loop_clients_think_between_requests(monkeypatch):
+    """think_s: after each answer a client waits a draw from [0, 2 x think_s) before its next request (its own seeded
+    draws), and not after its last; with no think time the next request follows the answer at once."""
+    import asyncio
+    import random
+    import time
+
+    from bench import loadgen
+
+    sends = []
+
+    async def quick(session, url, body, stream):
+        sends.append(time.perf_counter())
+        await asyncio.sleep(0.01)
+        return RequestResult(status=200, ttft=0.01, total=0.01, tokens=1)
+
+    monkeypatch.setattr(loadgen, "one_request", quick)
+    for think in (0.0, 0.1):
+        sends.clear()
+        spec = LoadSpec(url="http://127.0.0.1:1", clients=1, requests=4, duration=10, think_s=think)
+        t0, results = time.perf_counter(), []
+        await loadgen._closed_loop(spec, None, "u", {}, t0, results)
+        finished = time.perf_counter()
+        gaps = [b - a - 0.01 for a, b in zip(sends, sends[1:])]
+        assert len(results) == 4 and len(gaps) == 3
+        if think == 0:
+            assert max(gaps) < 0.05
+        else:
+            draws = random.Random(0)
+            expected = [draws.uniform(0.0, 0.2) for _ in gaps]
+            for gap, want in zip(gaps, expected):
+                assert gap == pytest.approx(want, abs=0.04)
+            assert finished - sends[-1] < 0.05  # no wait after the last request

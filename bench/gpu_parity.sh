@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# bench/llama_server_parity.py on the H200 test machine (issue 18): `pulse serve --backend llama-server` against the
+# same llama-server called directly, with the CUDA build of the pinned llama.cpp. Stage first, back to back (the
+# machine forgets everything once idle): `bash bench/gpu_build_llama.sh` carrying .llama (the build runs ~8 min in the
+# background while the stages unpack), bench/gpu_stage_ray.sh's stages, the last one with .device/clean
+# (`bash bench/gpu_clean_copy.sh`), then:
+#   cd .device/clean && bash bench/gpu_parity.sh
+#   PARITY_ARGS="--clients 8 32 64 --modes greedy --think-ms 0 50 ..." bash bench/gpu_parity.sh
+# It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
+# wait, so that the call's 600 s still bring the results back; SIGINT at the limit still summarizes the runs that
+# ended), and leaves in $OUT the table, the JSON and one tarball of the logs
+# (llama-server's own, with timestamps, and Pulse's).
+set -u
+h=${PULSE_DEVICE_HOME:-/root/pulse-device}
+export PYTHONPATH=$h/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
+mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
+G=$h/model/gemma-3-270m-q4_k_m.gguf
+touch -d @1700000000 "$G"
+t0=$SECONDS
+for _ in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+if [[ $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
+  echo "no llama-server build (build.rc: $(cat /root/lb/build.rc 2>/dev/null || echo none))"
+  tail -20 /root/lb/build.log 2>/dev/null; exit 1
+fi
+uptime
+T=${T:-$((560 - (SECONDS - t0)))}
+d=/tmp/parity-$(date +%s)
+# shellcheck disable=SC2086
+timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$G" \
+  --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 --out "$d" --quiet \
+  ${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 --warmup 1}
+uptime
+python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+cp "$d"/*.md "$d"/*.json "${OUT:-/tmp}/" 2>/dev/null
+tar czf "${OUT:-/tmp}/parity-logs.tgz" -C "$d" . 2>/dev/null
