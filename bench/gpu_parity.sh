@@ -6,6 +6,8 @@
 # (`bash bench/gpu_clean_copy.sh`), then:
 #   cd .device/clean && bash bench/gpu_parity.sh
 #   PARITY_ARGS="--clients 8 32 64 --modes greedy --think-ms 0 50 ..." bash bench/gpu_parity.sh
+# On a GPU other than the H200 (the cuda profile: 16 slots, the RAM prompt cache on) the h200 profile's llama-server
+# settings are set explicitly: 64 slots, SERVER_ARGS="--cache-ram 0 --backend-sampling" (later flags win).
 # It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
 # wait, so that the call's 600 s still bring the results back; SIGINT at the limit still summarizes the runs that
 # ended), and leaves in $OUT the table, the JSON and one tarball of the logs
@@ -25,9 +27,14 @@ fi
 uptime
 T=${T:-$((560 - (SECONDS - t0)))}
 d=/tmp/parity-$(date +%s)
+sa=()
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
+  sa=(--slots 64 --server-args="${SERVER_ARGS:---cache-ram 0 --backend-sampling}")
+[[ -n ${SERVER_ARGS:-} && ${#sa[@]} -eq 0 ]] && sa=(--server-args="$SERVER_ARGS")
 # shellcheck disable=SC2086
 timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$G" \
-  --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 --out "$d" --quiet \
+  --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 \
+  --out "$d" --quiet "${sa[@]}" \
   ${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 --warmup 1}
 uptime
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
