@@ -25,6 +25,7 @@ names), and each variant's direct is also set against variant 0's in the same re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import signal
@@ -50,7 +51,7 @@ MODES = {
     "t1exact": ({"temperature": 1.0}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}),  # extra fields: direct only
 }
 TABLE_METRICS = ["tok_s", "tok_s_ratio", "tok_s_vs_v0", "ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms",
-                 "added_ttft_p99_ms", "errors", "rate_limited"]
+                 "added_ttft_p99_ms", "launches_per_group", "server_prompt_p50_ms", "errors", "rate_limited"]
 PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
 
 
@@ -157,10 +158,18 @@ def verdict(summary: dict) -> list[str]:
     return lines
 
 
-async def _measure(spec: LoadSpec, path: list, pulse: Proc) -> dict:
+async def _measure(spec: LoadSpec, path: list, pulse: Proc, log_dir: Path | None = None) -> dict:
+    """One run; with `log_dir`, also what llama-server's own log says of the run's launches
+    (bench.llama_server_log.slice_metrics: how many launch groups its requests came in, its prompt eval p50)."""
     if pulse.popen.poll() is not None:  # measuring a dead server would only record connection errors
         raise RuntimeError(f"pulse serve exited with {pulse.popen.returncode}:\n{pulse.log_tail()}")
-    return await _load_with_cpu(spec, path)
+    log = max(log_dir.glob("llama-server-*.log"), key=lambda p: p.stat().st_mtime, default=None) if log_dir else None
+    start = log.stat().st_size if log else 0
+    out = await _load_with_cpu(spec, path)
+    if log is not None:
+        await asyncio.sleep(0.2)  # the last request's timing lines follow its final event
+        out["metrics"].update(server_log.slice_metrics(log, start, log.stat().st_size))
+    return out
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -217,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
             vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)
             cells |= vcells
-            runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse)
+            runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir)
                      for name, s in vcells.items()}
             servers.append((v, flags, llama_pid, vdir))
         records: list = []

@@ -86,3 +86,25 @@ def test_think_time_cells_pair_with_their_own_direct():
                rec("pulse/completions/greedy@8+think50", 0, 98.0, 52.0, 81.0)]
     d = {r["config"]: r["metrics"] for r in derive(records)}
     assert d["pulse/completions/greedy@8+think50"]["added_ttft_p50_ms"] == 2.0
+
+
+def test_a_runs_slice_of_the_server_log_counts_its_launch_groups(tmp_path):
+    """Launches within 1 ms of each other came between the same two steps: one group. Only the run's byte range
+    of the log counts."""
+    from bench.llama_server_log import launch_groups, parse, slice_metrics
+
+    def launch(ts: str, slot: int, task: int, prompt_ms: float) -> list[str]:
+        return [f"{ts}.000 I slot get_availabl: id  {slot} | task -1 | selected slot by id ({slot})",
+                f"{ts}.050 I slot launch_slot_: id  {slot} | task {task} | processing task, is_child = 0",
+                f"0.59.000.000 I slot print_timing: id  {slot} | task {task} | prompt eval time =     {prompt_ms} ms /"
+                "     5 tokens (    1.00 ms per token,   5.00 tokens per second)"]
+    before = launch("0.01.000", 9, 1, 50.0)
+    run = launch("0.02.000", 0, 10, 70.0) + launch("0.02.000", 1, 11, 70.0) + launch("0.02.071", 2, 12, 140.0)
+    log = tmp_path / "llama-server-w.log"
+    log.write_text("\n".join(before) + "\n")
+    start = log.stat().st_size
+    log.write_text(log.read_text() + "\n".join(run) + "\n")
+    assert launch_groups(parse(run)) == [2, 1]
+    m = slice_metrics(log, start, log.stat().st_size)
+    assert m == {"server_launches": 3, "launch_groups": 2, "launches_per_group": 1.5, "server_prompt_p50_ms": 70.0}
+    assert slice_metrics(log, start, start) == {}
