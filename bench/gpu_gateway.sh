@@ -5,6 +5,7 @@
 #   cd .device/clean && bash bench/gpu_gateway.sh fast   # 1 and 32 clients, this tree against .base, 5 repeats
 #   cd .device/clean && bash bench/gpu_gateway.sh held   # 256 and 1,000 held streams (4 tokens/s), this tree only
 #   B_TREE=. B_ARGS="--gateway-replicas 1" bash bench/gpu_gateway.sh fast   # this tree, 1 replica as the second
+#   A_ARGS="--gateway-replicas 2" bash bench/gpu_gateway.sh held   # A_ARGS: added to the first target's command
 # REPEATS sets the measured repeats (default 5 fast, 2 held: ~190 s at 2, ~60 s a repeat more).
 # T bounds the bench in seconds (default 400); the table, the JSON and a tarball of the logs land in $OUT.
 set -u
@@ -14,7 +15,7 @@ mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE
 G=$h/model/gemma-3-270m-q4_k_m.gguf
 touch -d @1700000000 "$G"
 uptime
-PC="python3 -m pulse.cli serve --backend loadtest --model $G --host 127.0.0.1 --port {port} --config {config}"
+PC="python3 -m pulse.cli serve --backend loadtest --model $G --host 127.0.0.1 --port {port} --config {config} ${A_ARGS:-}"
 # the second target: .base's tree (B_TREE=. for this one), with B_ARGS added (e.g. "--gateway-replicas 1")
 bt=$PWD/${B_TREE:-.base}
 PB="sh -c 'cd $bt && PYTHONPATH=$h/site:$bt exec python3 -m pulse.cli serve --backend loadtest \
