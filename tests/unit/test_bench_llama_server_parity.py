@@ -60,6 +60,9 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     from pathlib import Path
     flags = json.loads(config_yaml(args, Path("/tmp"), "--cache-ram 0"))["workers"]["llama_server"]["extra_args"]
     assert flags == ["--log-timestamps", "--cache-ram", "0"]  # after the profile's flags: the later one wins
+    ls = json.loads(config_yaml(args, Path("/tmp"), "=-fa on --cache-ram 0"))["workers"]["llama_server"]
+    assert ls["profile_args"] == ["-fa", "on", "--cache-ram", "0"] and ls["extra_args"] == ["--log-timestamps"]
+    assert "profile_args" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
     records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
                rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
                rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),

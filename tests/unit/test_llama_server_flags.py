@@ -58,3 +58,25 @@ def test_lane_choice_follows_the_speculation_policy(tmp_path):
     assert choose_lane(lanes, gb10, 2000, None, schema=True) is spec
     spec.running = 15  # 16 streams with this one: no drafter wins at any context
     assert choose_lane(lanes, gb10, 2000, None) is plain
+
+
+def test_profile_args_in_the_config_replace_the_profiles(tmp_path, monkeypatch):
+    """workers.llama_server.profile_args takes the place of the device profile's llama_server_args (a flag such as
+    --backend-sampling has no negation, so only this takes it out); extra_args still come last; unset: the profile's."""
+    from policy.config import LlamaServerConfig
+    from workers.llama_server import flags, lane
+
+    monkeypatch.setattr(flags, "supported_flags", lambda binary: NEW | {"--backend-sampling", "--foo"})
+    h200 = builtin_profiles()["h200"]
+    assert "--backend-sampling" in h200.llama_server_args
+
+    def argv(**cfg) -> list[str]:
+        (plain,) = lane.build_lanes(LlamaServerConfig(**cfg), h200, "/m.gguf", Path("/bin/true"), 16, tmp_path, "w",
+                                    sink=None)
+        return plain.process.argv_for(1234)
+
+    assert "--backend-sampling" in argv()
+    replaced = argv(profile_args=["-fa", "on", "--cache-ram", "0"], extra_args=["--foo"])
+    assert "--backend-sampling" not in replaced and "-ub" not in replaced and replaced[-1] == "--foo"
+    assert " ".join(replaced).count("--cache-ram 0") == 1 and "-np 64" in " ".join(replaced)
+    assert "--metrics" not in argv(profile_args=[])

@@ -70,7 +70,8 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
         def argv_for(port: int) -> list[str]:
             return flags.server_argv(
                 binary, supported, model=model_path, port=port, slots=slots, kv_tokens=kv_tokens,
-                profile_args=profile.llama_server_args, threads=threads,
+                profile_args=profile.llama_server_args if cfg.profile_args is None else cfg.profile_args,
+                threads=threads,
                 draft_model=cfg.draft_model if draft else None, draft_max=k, spec_type=cfg.spec_type,
                 extra_args=cfg.extra_args, slot_save_path=None if draft or not checkpoint_dir else str(checkpoint_dir))
         return argv_for
