@@ -7,13 +7,9 @@
 # (FUZZ_ARGS="... --only chat" and then "--only completions": one endpoint a call, where both do not fit)
 set -u
 backend=${1:-cupy}
-home=${PULSE_DEVICE_HOME:-/root/pulse-device}
-model=$home/model/gemma-3-270m-q4_k_m.gguf
+source "$(dirname "$0")/gpu_env.sh"
 res=/tmp/fuzz-$backend-$(date +%s)
 mkdir -p "$res"
-export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-touch -d @1700000000 "$model"
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
 extra=()
 [[ $backend == llama-server ]] && extra=(--binary /root/lb/build/bin/llama-server)
 timeout "${BENCH_TIMEOUT_S:-560}" python3 -m bench.fuzz_shards --backend "$backend" --model "$model" --device auto \

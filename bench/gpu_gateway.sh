@@ -9,17 +9,13 @@
 # REPEATS sets the measured repeats (default 5 fast, 2 held: ~190 s at 2, ~60 s a repeat more).
 # T bounds the bench in seconds (default 400); the table, the JSON and a tarball of the logs land in $OUT.
 set -u
-h=${PULSE_DEVICE_HOME:-/root/pulse-device}
-export PYTHONPATH=$h/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
-G=$h/model/gemma-3-270m-q4_k_m.gguf
-touch -d @1700000000 "$G"
+source "$(dirname "$0")/gpu_env.sh"
 uptime
-PC="python3 -m pulse.cli serve --backend loadtest --model $G --host 127.0.0.1 --port {port} --config {config} ${A_ARGS:-}"
+PC="python3 -m pulse.cli serve --backend loadtest --model $model --host 127.0.0.1 --port {port} --config {config} ${A_ARGS:-}"
 # the second target: .base's tree (B_TREE=. for this one), with B_ARGS added (e.g. "--gateway-replicas 1")
 bt=$PWD/${B_TREE:-.base}
-PB="sh -c 'cd $bt && PYTHONPATH=$h/site:$bt exec python3 -m pulse.cli serve --backend loadtest \
---model $G --host 127.0.0.1 --port {port} --config {config} ${B_ARGS:-}'"
+PB="sh -c 'cd $bt && PYTHONPATH=$home/site:$bt exec python3 -m pulse.cli serve --backend loadtest \
+--model $model --host 127.0.0.1 --port {port} --config {config} ${B_ARGS:-}'"
 d=/tmp/gw-${1:-fast}-$(date +%s)
 if [[ ${1:-fast} == fast ]]; then
   b=(); [[ -d $bt ]] && b=(--pulse-b-cmd "$PB")

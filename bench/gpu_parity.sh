@@ -13,11 +13,7 @@
 # ended), and leaves in $OUT the table, the JSON and one tarball of the logs
 # (llama-server's own, with timestamps, and Pulse's).
 set -u
-h=${PULSE_DEVICE_HOME:-/root/pulse-device}
-export PYTHONPATH=$h/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
-G=$h/model/gemma-3-270m-q4_k_m.gguf
-touch -d @1700000000 "$G"
+source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS
 for _ in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
 if [[ $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
@@ -32,7 +28,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   sa=(--slots 64 --server-args="${SERVER_ARGS:---cache-ram 0 --backend-sampling}")
 [[ -n ${SERVER_ARGS:-} && ${#sa[@]} -eq 0 ]] && sa=(--server-args="$SERVER_ARGS")
 # shellcheck disable=SC2086
-timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$G" \
+timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$model" \
   --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 \
   --out "$d" --quiet "${sa[@]}" \
   ${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 --warmup 1}

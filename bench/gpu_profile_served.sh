@@ -12,12 +12,8 @@
 # (--nonblocking: it never pauses the process it reads; --threads: the engine thread and the event loop's apart).
 # Each process's CPU time over the sampled window is read from /proc beside it (cpu-<pid>.txt).
 set -u
-home=${PULSE_DEVICE_HOME:-/root/pulse-device}
+source "$(dirname "$0")/gpu_env.sh"
 spy=${PY_SPY:-$home/py-spy}
-model=$home/model/gemma-3-270m-q4_k_m.gguf
-export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-touch -d @1700000000 "$model"
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }  # utime + stime, clock ticks
 
 for clients in ${CLIENTS:-256}; do

@@ -19,14 +19,9 @@
 # words a turn, 10 turns: ~2-9k-token prompts) and KV for about three final contexts per worker, as the CPU
 # run sizes it (BENCHMARKS.md, routing).
 set -u
-home=${PULSE_DEVICE_HOME:-/root/pulse-device}
-model=$home/model/gemma-3-270m-q4_k_m.gguf
+source "$(dirname "$0")/gpu_env.sh"
 res=/tmp/routing-results
 mkdir -p "$res"
-export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-# the derived tokenizer/info: the model's cache key is path + size + mtime, so pin the mtime they were made under
-touch -d @1700000000 "$model"
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c 'import ray, ray.serve, cupy; print("ray", ray.__version__, "cupy", cupy.__version__)' || exit 3
 args=("$@")

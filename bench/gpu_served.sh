@@ -50,13 +50,9 @@
 #     bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
-home=${PULSE_DEVICE_HOME:-/root/pulse-device}
-model=$home/model/gemma-3-270m-q4_k_m.gguf
+source "$(dirname "$0")/gpu_env.sh"
 res=/tmp/served-$workload-$(date +%s)  # one folder per call: several calls share the machine
 mkdir -p "$res"
-export PYTHONPATH=$home/site:$PWD PYTHONUNBUFFERED=1 PULSE_CACHE_DIR=${PULSE_CACHE_DIR:-/root/pulse-cache}
-touch -d @1700000000 "$model"
-mkdir -p "$PULSE_CACHE_DIR" && tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null
 targets=${TARGETS:-pulse pulse-k0 llama}
 [[ $targets == *llama* ]] && for i in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
 if [[ $targets == *llama* && $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
