@@ -69,23 +69,34 @@ def test_refusal_reason_reads_openai_and_anthropic_errors_with_numbers_folded():
     assert refusal_reason(b'{"error": "plain"}') is None
 
 
-@pytest.mark.parametrize("stagger", [0.0, 0.4])
-async def test_closed_loop_clients_start_spread_over_the_stagger(monkeypatch, stagger):
-    """stagger_s spreads the clients' first requests (client i at i x S / C); the HTTP call is replaced by one that
-    holds each request 0.6 s (longer than the stagger), so the four requests are the four clients' first ones."""
+def _held_requests(monkeypatch, hold_s: float) -> list[float]:
+    """Replace loadgen's HTTP call by one that holds each request `hold_s` and answers 200; returns the list the
+    send times land in."""
     import asyncio
     import time
 
     from bench import loadgen
 
-    starts = []
+    sends: list[float] = []
 
     async def held(session, url, body, stream):
-        starts.append(time.perf_counter())
-        await asyncio.sleep(0.6)
-        return RequestResult(status=200, ttft=0.01, total=0.6, tokens=1)
+        sends.append(time.perf_counter())
+        await asyncio.sleep(hold_s)
+        return RequestResult(status=200, ttft=0.01, total=hold_s, tokens=1)
 
     monkeypatch.setattr(loadgen, "one_request", held)
+    return sends
+
+
+@pytest.mark.parametrize("stagger", [0.0, 0.4])
+async def test_closed_loop_clients_start_spread_over_the_stagger(monkeypatch, stagger):
+    """stagger_s spreads the clients' first requests (client i at i x S / C); the HTTP call is replaced by one that
+    holds each request 0.6 s (longer than the stagger), so the four requests are the four clients' first ones."""
+    import time
+
+    from bench import loadgen
+
+    starts = _held_requests(monkeypatch, 0.6)
     spec = LoadSpec(url="http://127.0.0.1:1", clients=4, requests=4, duration=10, stagger_s=stagger)
     t0, results = time.perf_counter(), []
     await loadgen._closed_loop(spec, None, "u", {}, t0, results)
@@ -101,20 +112,12 @@ async def test_closed_loop_clients_start_spread_over_the_stagger(monkeypatch, st
 async def test_closed_loop_clients_think_between_requests(monkeypatch):
     """think_s: after each answer a client waits a draw from [0, 2 x think_s) before its next request (its own seeded
     draws), and not after its last; with no think time the next request follows the answer at once."""
-    import asyncio
     import random
     import time
 
     from bench import loadgen
 
-    sends = []
-
-    async def quick(session, url, body, stream):
-        sends.append(time.perf_counter())
-        await asyncio.sleep(0.01)
-        return RequestResult(status=200, ttft=0.01, total=0.01, tokens=1)
-
-    monkeypatch.setattr(loadgen, "one_request", quick)
+    sends = _held_requests(monkeypatch, 0.01)
     for think in (0.0, 0.1):
         sends.clear()
         spec = LoadSpec(url="http://127.0.0.1:1", clients=1, requests=4, duration=10, think_s=think)
