@@ -30,8 +30,6 @@ import argparse
 import asyncio
 import functools
 import json
-import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -237,15 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir)
                      for name, s in vcells.items()}
             servers.append((v, flags, llama_pid, vdir))
-        records: list = []
-        try:
-            loops.run(protocol.run(runs, args.repeats, args.warmup, not args.quiet, records), args.loop)
-            interrupted = []
-        except KeyboardInterrupt:  # SIGINT: bench/gpu_parity.sh's time limit; summarize the runs that ended
-            interrupted = [f"interrupted after {len(records)} of {len(runs) * (args.repeats + args.warmup)} runs: "
-                           "cells with no measured run are missing"]
-            print(interrupted[0], file=sys.stderr)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second SIGINT while the servers stop would lose the summary
+        # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
+        records, cut = protocol.run_to_limit(runs, args.repeats, args.warmup, not args.quiet, args.loop)
+        interrupted = [f"{cut}: cells with no measured run are missing"] if cut else []
         summary = summarize(records, list(cells))
         params = vars(args) | {"loop": loops.resolve(args.loop), "llama_servers": []}
         for v, flags, llama_pid, vdir in servers:

@@ -14,6 +14,7 @@ import json
 import numbers
 import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import loops
 from bench.machine import describe, machine_info
 
 MIN_REPEATS = 5
@@ -130,6 +132,22 @@ async def run(
         bar.update(1)
     bar.close()
     return records
+
+
+def run_to_limit(measures: Mapping[str, Measure], repeats: int, warmup: int, progress: bool, loop: str
+                 ) -> tuple[list[dict[str, Any]], str | None]:
+    """`run` on event loop `loop` (bench.loops), cut short by SIGINT (a device script's time limit): the records of
+    the runs that ended, and None or the line saying how many ran. SIGINT is ignored from then on: one arriving
+    while the caller stops its servers would lose the summary of every run."""
+    records: list[dict[str, Any]] = []
+    try:
+        loops.run(run(measures, repeats, warmup, progress, records), loop)
+        interrupted = None
+    except KeyboardInterrupt:
+        interrupted = f"interrupted after {len(records)} of {len(measures) * (repeats + warmup)} runs"
+        print(interrupted, file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return records, interrupted
 
 
 def add_arguments(ap, out_dir: Path) -> None:

@@ -482,16 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         salt, partial = counter(), log_dir / "records.jsonl"
         measures = {config_name(t, w, s, c): make_measure(args, *bases[t], t, w, s, c, salt, partial)
                     for w in args.workloads for s in args.sampling for c in args.clients for t in args.targets}
-        records: list = []
-        try:
-            loops.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet, records), args.loop)
-            interrupted = None
-        except KeyboardInterrupt:  # SIGINT: bench/gpu_served.sh's time limit; summarize the runs that ended
-            interrupted = f"interrupted after {len(records)} of {len(measures) * (args.repeats + args.warmup)} runs"
-            print(interrupted, file=sys.stderr)
-        # the runs are over: a SIGINT now (the time limit reached while the servers stop) would lose the summary of
-        # every run (2026-12-04 on the H200: all 36 runs of a call measured, no table); `timeout -k` still kills
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIGINT (bench/gpu_served.sh's time limit) ends the runs; the ones that ended are summarized, and a second
+        # SIGINT while the servers stop is ignored (2026-12-04 on the H200: all 36 runs of a call measured, no table);
+        # `timeout -k` still kills
+        records, interrupted = protocol.run_to_limit(measures, args.repeats, args.warmup, not args.quiet, args.loop)
     summary = protocol.summarize(records)
     if args.engine_alone and not interrupted:
         summary.update(engine_alone(args, log_dir))

@@ -172,3 +172,28 @@ def test_a_run_cut_short_keeps_the_records_of_the_runs_that_ended():
     assert [(r["phase"], r["config"], r["metrics"]["tok_s"]) for r in records] == [("warmup", "A", 1.0),
                                                                                   ("warmup", "B", 2.0)]
     assert protocol.summarize(records) == {}  # no measured run ended: nothing to summarize, and no error
+
+
+def test_run_to_limit_keeps_the_runs_that_ended_when_sigint_cuts_it_short():
+    """A SIGINT (KeyboardInterrupt) in the third run: the two before it are returned with the line saying so, and
+    SIGINT is ignored from then on (a second one while the servers stop would lose the summary)."""
+    import signal
+
+    calls = []
+
+    async def measure():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {"x": 1.0}
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        records, cut = protocol.run_to_limit({"a": measure, "b": measure}, 2, 1, False, "asyncio")
+        assert len(records) == 2 and cut == "interrupted after 2 of 6 runs"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        calls.clear()
+        records, cut = protocol.run_to_limit({"a": measure}, 1, 0, False, "asyncio")
+        assert len(records) == 1 and cut is None
+    finally:
+        signal.signal(signal.SIGINT, before)
