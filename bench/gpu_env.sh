@@ -9,3 +9,8 @@ touch -d @1700000000 "$model"
 mkdir -p "$PULSE_CACHE_DIR"
 tar xJf .devcache/derived.tar.xz -C "$PULSE_CACHE_DIR" 2>/dev/null ||
   echo "no .devcache/derived.tar.xz (bench/gpu_stage_extra.sh): Pulse derives the tokenizer at start" >&2
+# llama_built: waits up to 6 min for bench/gpu_build_llama.sh's background build to end; true when it succeeded
+llama_built() {
+  for _ in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
+  [[ $(cat /root/lb/build.rc 2>/dev/null) == 0 ]]
+}

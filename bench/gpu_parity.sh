@@ -15,8 +15,7 @@
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS
-for _ in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
-if [[ $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
+if ! llama_built; then
   echo "no llama-server build (build.rc: $(cat /root/lb/build.rc 2>/dev/null || echo none))"
   tail -20 /root/lb/build.log 2>/dev/null; exit 1
 fi

@@ -54,8 +54,7 @@ source "$(dirname "$0")/gpu_env.sh"
 res=/tmp/served-$workload-$(date +%s)  # one folder per call: several calls share the machine
 mkdir -p "$res"
 targets=${TARGETS:-pulse pulse-k0 llama}
-[[ $targets == *llama* ]] && for i in $(seq 1 90); do [[ -f /root/lb/build.rc ]] && break; sleep 4; done
-if [[ $targets == *llama* && $(cat /root/lb/build.rc 2>/dev/null) != 0 ]]; then
+if [[ $targets == *llama* ]] && ! llama_built; then
   echo "no llama-server build: Pulse only"; targets=${targets/llama/}
 fi
 # SIGINT at the limit: bench/served.py stops its servers and still summarizes the runs that ended (SIGKILL 40 s later)
