@@ -6,6 +6,8 @@
 # (`bash bench/gpu_clean_copy.sh`), then:
 #   cd .device/clean && bash bench/gpu_parity.sh
 #   PARITY_ARGS="--clients 8 32 64 --modes greedy --think-ms 0 50 ..." bash bench/gpu_parity.sh
+#   # the patched build (deploy/llama_patches/) against llama.cpp as released, same flags:
+#   PARITY_ARGS="--clients 1 8 --variants '' '' --variant-binaries '' /root/lb/build/bin/llama-server-upstream" ...
 # On a GPU other than the H200 (the cuda profile: 16 slots, the RAM prompt cache on) the h200 profile's llama-server
 # settings are set explicitly: 64 slots, SERVER_ARGS="--cache-ram 0 --backend-sampling" (later flags win).
 # It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
@@ -26,11 +28,12 @@ sa=()
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   sa=(--slots 64 --server-args="${SERVER_ARGS:---cache-ram 0 --backend-sampling}")
 [[ -n ${SERVER_ARGS:-} && ${#sa[@]} -eq 0 ]] && sa=(--server-args="$SERVER_ARGS")
-# shellcheck disable=SC2086
+# PARITY_ARGS is read as shell words, so a quoted variant keeps its spaces
+eval "pa=(${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 \
+  --warmup 1})"
 timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$model" \
   --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 \
-  --out "$d" --quiet "${sa[@]}" \
-  ${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 --warmup 1}
+  --out "$d" --quiet "${sa[@]}" "${pa[@]}"
 uptime
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
 cp "$d"/*.md "$d"/*.json "${OUT:-/tmp}/" 2>/dev/null

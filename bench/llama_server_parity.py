@@ -19,7 +19,8 @@ their cells interleaved in one run: variant i's targets are `direct.vI` and `pul
 names), and each variant's direct is also set against variant 0's in the same repeat (tok_s_vs_v0), e.g.
 `--variants '' '--cache-ram 0'` for what llama-server's RAM prompt cache costs under this load; a variant that starts
 with `=` replaces the device profile's llama-server flags instead (`--variants '' '=-fa on --metrics --cache-ram 0 -ub
-512'`: the h200 profile without `--backend-sampling`, which has no negation).
+512'`: the h200 profile without `--backend-sampling`, which has no negation). `--variant-binaries` gives a variant
+its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags).
 
     python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
     python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
@@ -71,11 +72,13 @@ def direct_of(name: str) -> str | None:
     return "direct" + tgt[len("pulse"):] + "/" + rest if tgt.startswith("pulse") else None
 
 
-def config_yaml(args, log_dir: Path, variant: str = "") -> str:
+def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None) -> str:
     ls = {"log_dir": str(log_dir)}
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
             ls[key] = getattr(args, key)
+    if binary:
+        ls["binary"] = binary
     if args.slot_affinity == "off":
         ls["slot_affinity"] = False
     # a variant "=FLAGS" replaces the device profile's llama-server flags with FLAGS (workers.llama_server.profile_args:
@@ -207,13 +210,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="one pulse serve + llama-server per entry, these llama-server flags added (after "
                     "--server-args), all interleaved in one run; '' is the configuration as it is; '=FLAGS' replaces "
                     "the device profile's flags with FLAGS")
+    ap.add_argument("--variant-binaries", nargs="+", default=[], metavar="PATH",
+                    help="per variant, in --variants' order, the llama-server it runs ('' or missing: --binary's)")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
     protocol.add_arguments(ap, RESULTS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if len(args.variant_binaries) > len(args.variants):
+        ap.error("--variant-binaries names more binaries than there are --variants")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for v, flags in enumerate(args.variants):
             vdir = log_dir / f"v{v}" if len(args.variants) > 1 else log_dir
             vdir.mkdir(parents=True, exist_ok=True)
-            pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, vdir, flags), vdir, procs,
+            binary = args.variant_binaries[v] if v < len(args.variant_binaries) else None
+            pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, vdir, flags, binary), vdir, procs,
                                                                   args.start_timeout)
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
             vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)

@@ -1,6 +1,8 @@
 """bench.llama_server_parity's pure parts: the cells it runs, the pairing per repeat, the verdict."""
 from __future__ import annotations
 
+import pytest
+
 from bench.llama_server_parity import _parse, derive, specs, summarize, verdict
 from bench.loadgen import request_body
 
@@ -63,6 +65,12 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     ls = json.loads(config_yaml(args, Path("/tmp"), "=-fa on --cache-ram 0"))["workers"]["llama_server"]
     assert ls["profile_args"] == ["-fa", "on", "--cache-ram", "0"] and ls["extra_args"] == ["--log-timestamps"]
     assert "profile_args" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
+    # a variant's own binary (--variant-binaries) takes the place of --binary's
+    assert "binary" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
+    assert json.loads(config_yaml(args, Path("/tmp"), "", "/opt/up/llama-server"))["workers"]["llama_server"][
+        "binary"] == "/opt/up/llama-server"
+    with pytest.raises(SystemExit):
+        _parse(["--variants", "", "--variant-binaries", "/a", "/b"])
     records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
                rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
                rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),
