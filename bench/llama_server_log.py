@@ -23,6 +23,9 @@ _PICK = re.compile(r"get_availabl: id\s+(\d+) \| task -?\d+ \| selected slot by 
                    r"(?:.*f_keep = ([\d.]+))?")
 _LAUNCH = re.compile(r"launch_slot_: id\s+(\d+) \| task (\d+)")
 _PROMPT = re.compile(r"id\s+\d+ \| task (\d+) \| prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens")
+# with -lv 4: each time the context re-reserves its compute graphs (llama.cpp's sched_reserve; with
+# --backend-sampling at every request's start and end) and how long that took inside the call
+_RESERVE = re.compile(r"sched_reserve: reserve took ([\d.]+) ms")
 _EVAL = re.compile(r"id\s+\d+ \| task (\d+) \|\s+eval time =\s+([\d.]+) ms /\s+(\d+) tokens")
 PICKS = {"id": "id", "LCP similarity": "similarity", "LRU": "lru"}
 
@@ -93,9 +96,13 @@ def slice_metrics(path: Path, start: int, end: int) -> dict[str, float]:
     if not launches:
         return {}
     groups = launch_groups(launches)
-    return {"server_launches": len(launches), "launch_groups": len(groups),
-            "launches_per_group": len(launches) / len(groups),
-            "server_prompt_p50_ms": _q([launch.prompt_ms for launch in launches], 0.5)}
+    out = {"server_launches": len(launches), "launch_groups": len(groups),
+           "launches_per_group": len(launches) / len(groups),
+           "server_prompt_p50_ms": _q([launch.prompt_ms for launch in launches], 0.5)}
+    reserves = [float(m.group(1)) for m in _RESERVE.finditer(text)]
+    if reserves:  # only a server started with -lv 4 logs them
+        out |= {"server_reserves": len(reserves), "server_reserve_ms": sum(reserves)}
+    return out
 
 
 def parse_file(path: Path) -> list[Launch]:

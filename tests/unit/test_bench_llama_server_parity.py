@@ -119,3 +119,9 @@ def test_a_runs_slice_of_the_server_log_counts_its_launch_groups(tmp_path):
     m = slice_metrics(log, start, log.stat().st_size)
     assert m == {"server_launches": 3, "launch_groups": 2, "launches_per_group": 1.5, "server_prompt_p50_ms": 70.0}
     assert slice_metrics(log, start, start) == {}
+    # with -lv 4 the server logs each re-reserve of its compute graphs: counted and summed per run
+    log.write_text(log.read_text() + "0.03.000.000 I sched_reserve: reserve took 80.50 ms, sched copies = 1\n"
+                   + "\n".join(launch("0.03.100", 3, 13, 90.0)) + "\n"
+                   + "0.03.200.000 I sched_reserve: reserve took 1.50 ms, sched copies = 1\n")
+    m = slice_metrics(log, start, log.stat().st_size)
+    assert m["server_reserves"] == 2 and m["server_reserve_ms"] == 82.0 and m["server_launches"] == 4
