@@ -1,0 +1,93 @@
+"""Reproduces a stall in llama-server (llama.cpp 11434): a request is launched on a slot and never processed.
+
+Two slots, the unified KV (as Pulse runs llama-server), and rounds of six concurrent /completion requests, some
+pinned to a slot (`id_slot`, Pulse's slot affinity), some not, mixing greedy, temperature 1, `n_probs` and a JSON
+schema. Within a few rounds one request's slot logs `launch_slot_` and then nothing: no prompt eval, no release;
+the other slot goes on serving, and requests pinned to the stuck slot wait behind it for good. Seen on the 2-core box
+with and without `--backend-sampling`, with and without deploy/llama_patches/ (RELIABILITY.md). Prints the round it
+stalled in and the stuck tasks from the server's log; exit 1 on a stall.
+
+    python -m bench.llama_server_stall                                   # Pulse's cached build, the bundled Gemma
+    python -m bench.llama_server_stall --binary /tmp/llama-server-upstream --flags=--backend-sampling --rounds 40
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import re
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.procs import free_port
+from workers.llama_server.binary import find_llama_server
+from workers.protocol.model import load_model_info
+
+BASE = "The three primary colours are red, yellow and blue. Explain how to mix green paint:"
+ROUND = [{"prompt": f"Note 0: {BASE}", "n_predict": 10, "temperature": 0, "id_slot": 0},
+         {"prompt": f"Note 1: {BASE}", "n_predict": 10, "temperature": 1.0, "id_slot": -1},
+         {"prompt": f"Note 2: {BASE}", "n_predict": 6, "temperature": 0, "n_probs": 2, "id_slot": 1},
+         {"prompt": "A person as JSON:", "n_predict": 12, "temperature": 0, "json_schema": {"type": "object"},
+          "id_slot": -1},
+         {"prompt": f"Note 3: {BASE}", "n_predict": 10, "temperature": 1.0, "id_slot": 0},
+         {"prompt": f"Note 1: {BASE}", "n_predict": 8, "temperature": 0, "id_slot": 1}]
+
+
+def stuck_tasks(log: str) -> list[str]:
+    """Tasks the log shows launched and never released (`launch_slot_` without a later `release` of that task)."""
+    launched = re.findall(r"launch_slot_: id\s+(\d+) \| task (\d+)", log)
+    released = set(re.findall(r"release: id\s+\d+ \| task (\d+)", log))
+    return [f"slot {slot} task {task}" for slot, task in launched if task not in released]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.llama_server_stall", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--binary", default=None, help="llama-server (default: Pulse's cached build)")
+    ap.add_argument("--flags", default="", help="more llama-server flags, one string, e.g. --flags=--backend-sampling")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take before it counts stuck")
+    args = ap.parse_args(argv)
+    binary, port = find_llama_server(args.binary), free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="llama-stall-")) / "llama-server.log"
+    cmd = [str(binary), "-m", load_model_info().path, "--host", "127.0.0.1", "--port", str(port), "-np", "2",
+           "-c", "4096", "-t", "1", "--kv-unified", *args.flags.split()]
+    with log_path.open("w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            return json.load(r)
+
+    try:
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        with cf.ThreadPoolExecutor(len(ROUND)) as pool:
+            for n in range(args.rounds):
+                try:
+                    list(pool.map(post, ROUND))
+                except TimeoutError:
+                    print(f"{binary} {args.flags}: stalled in round {n + 1} of {args.rounds}; launched and "
+                          f"never released: {', '.join(stuck_tasks(log_path.read_text())) or 'none found'}; "
+                          f"log: {log_path}")
+                    return 1
+        print(f"{binary} {args.flags}: {args.rounds} rounds of {len(ROUND)}, no stall")
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
