@@ -16,14 +16,12 @@ import argparse
 import concurrent.futures as cf
 import json
 import re
-import subprocess
 import tempfile
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.procs import free_port
+from bench.procs import Proc, free_port, owned_processes
 from workers.llama_server.binary import find_llama_server
 from workers.protocol.model import load_model_info
 
@@ -52,11 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take before it counts stuck")
     args = ap.parse_args(argv)
     binary, port = find_llama_server(args.binary), free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="llama-stall-")) / "llama-server.log"
     cmd = [str(binary), "-m", load_model_info().path, "--host", "127.0.0.1", "--port", str(port), "-np", "2",
            "-c", "4096", "-t", "1", "--kv-unified", *args.flags.split()]
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def post(body: dict) -> dict:
@@ -65,29 +60,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         with urllib.request.urlopen(req, timeout=args.timeout) as r:
             return json.load(r)
 
-    try:
-        for _ in range(300):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+    with owned_processes() as procs:
+        server = Proc("llama-server", cmd, Path(tempfile.mkdtemp(prefix="llama-stall-")))
+        procs.append(server)
+        server.wait_healthy(url + "/health", 120)
         with cf.ThreadPoolExecutor(len(ROUND)) as pool:
             for n in range(args.rounds):
                 try:
                     list(pool.map(post, ROUND))
                 except TimeoutError:
                     print(f"{binary} {args.flags}: stalled in round {n + 1} of {args.rounds}; launched and "
-                          f"never released: {', '.join(stuck_tasks(log_path.read_text())) or 'none found'}; "
-                          f"log: {log_path}")
+                          f"never released: {', '.join(stuck_tasks(server.log_path.read_text())) or 'none found'}; "
+                          f"log: {server.log_path}")
                     return 1
-        print(f"{binary} {args.flags}: {args.rounds} rounds of {len(ROUND)}, no stall")
-        return 0
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
+    print(f"{binary} {args.flags}: {args.rounds} rounds of {len(ROUND)}, no stall")
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())
