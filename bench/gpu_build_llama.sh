@@ -15,8 +15,8 @@ source deploy/llama_isa.sh
 read -r preferred _ <<<"$(isa_sets)"
 ISA_ARGS="$(isa_args "${LLAMA_ISA:-$preferred}")"
 export ISA_ARGS
-PATCHES="$(ls "$PWD"/deploy/llama_patches/*.patch 2>/dev/null | tr '\n' ' ')"
-export PATCHES
+APPLY_PATCHES="$PWD/deploy/llama_patches/apply.sh"
+export APPLY_PATCHES
 mkdir -p /root/lb
 tar xJf .llama/llama-src.tar.xz -C /root/lb
 cd /root/lb
@@ -29,10 +29,7 @@ setsid nohup nice -n 19 bash -c '
     -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF -DCMAKE_BUILD_TYPE=Release $ISA_ARGS > cfg.log 2>&1 &&
   cmake --build build -j16 --target llama-bench llama-batched-bench llama-server > build.log 2>&1 &&
   cp build/bin/llama-server build/bin/llama-server-upstream &&
-  for p in $PATCHES; do
-    if command -v patch >/dev/null; then patch -p1 --batch --quiet -d llama.cpp < "$p"; else
-      git -C llama.cpp apply -p1 "$p"; fi || exit 1
-  done &&
+  bash "$APPLY_PATCHES" llama.cpp >> build.log 2>&1 &&
   cmake --build build -j16 --target llama-server >> build.log 2>&1 )
   echo $? > build.rc' > /dev/null 2>&1 < /dev/null &
 echo "llama.cpp build started in /root/lb (llama-bench, llama-batched-bench, llama-server)"

