@@ -7,8 +7,11 @@
 # (it generates the empty web-UI stub: no UI, no download, the machine has no network).
 # The CPU code gets the portable instruction set deploy/build_llama_server.sh prefers (deploy/llama_isa.sh),
 # never -march=native (SIGILL on a VM whose CPU advertises AMX it does not enable); LLAMA_ISA=x86-64 for none.
-# llama-server is built twice: as released (build/bin/llama-server-upstream), then with deploy/llama_patches/
-# applied, as deploy/build_llama_server.sh builds it (build/bin/llama-server; only the patched sources recompile).
+# llama-server is built twice: as released, then with deploy/llama_patches/ applied, as deploy/build_llama_server.sh
+# builds it (build/bin/llama-server; only the patched sources recompile). This build is of shared libraries whose
+# RUNPATH is build/bin, so a copy of the binary alone would load the patched libllama: the released build is kept
+# as binary and libraries in /root/lb/released/, started by /root/lb/released/llama-server-released, which puts
+# that folder first on LD_LIBRARY_PATH (the path for --variant-binaries; 2026-12-05 it was a lone copy, i.e. patched).
 #   bash bench/gpu_build_llama.sh        # returns at once; /root/lb/build.rc appears when the build ends
 set -eu
 source deploy/llama_isa.sh
@@ -28,7 +31,9 @@ setsid nohup nice -n 19 bash -c '
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF -DCMAKE_BUILD_TYPE=Release $ISA_ARGS > cfg.log 2>&1 &&
   cmake --build build -j16 --target llama-bench llama-batched-bench llama-server > build.log 2>&1 &&
-  cp build/bin/llama-server build/bin/llama-server-upstream &&
+  mkdir -p released && cp -a build/bin/*.so* build/bin/llama-server released/ &&
+  printf "#!/bin/sh\nLD_LIBRARY_PATH=/root/lb/released\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} exec /root/lb/released/llama-server \"\$@\"\n" \
+    > released/llama-server-released && chmod +x released/llama-server-released &&
   bash "$APPLY_PATCHES" llama.cpp >> build.log 2>&1 &&
   cmake --build build -j16 --target llama-server >> build.log 2>&1 )
   echo $? > build.rc' > /dev/null 2>&1 < /dev/null &

@@ -7,7 +7,7 @@
 #   cd .device/clean && bash bench/gpu_parity.sh
 #   PARITY_ARGS="--clients 8 32 64 --modes greedy --think-ms 0 50 ..." bash bench/gpu_parity.sh
 #   # the patched build (deploy/llama_patches/) against llama.cpp as released, same flags:
-#   PARITY_ARGS="--clients 1 8 --variants '' '' --variant-binaries '' /root/lb/build/bin/llama-server-upstream" ...
+#   PARITY_ARGS="--clients 1 8 --variants '' '' --variant-binaries '' /root/lb/released/llama-server-released" ...
 # On a GPU other than the H200 (the cuda profile: 16 slots, the RAM prompt cache on) the h200 profile's llama-server
 # settings are set explicitly: 64 slots, SERVER_ARGS="--cache-ram 0 --backend-sampling" (later flags win).
 # It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
