@@ -3,12 +3,13 @@
 Two slots, the unified KV (as Pulse runs llama-server), and rounds of six concurrent /completion requests, some
 pinned to a slot (`id_slot`, Pulse's slot affinity), some not, mixing greedy, temperature 1, `n_probs` and a JSON
 schema. Within a few rounds one request's slot logs `launch_slot_` and then nothing: no prompt eval, no release;
-the other slot goes on serving, and requests pinned to the stuck slot wait behind it for good. Seen on the 2-core box
-with and without `--backend-sampling`, with and without deploy/llama_patches/ (RELIABILITY.md). Prints the round it
-stalled in and the stuck tasks from the server's log; exit 1 on a stall.
+the other slot goes on serving, and requests pinned to the stuck slot wait behind it for good: llama-server had
+loaded a cached prompt into the busy slot a pinned request asked for (RELIABILITY.md). Seen on the 2-core box with
+and without `--backend-sampling`; deploy/llama_patches/0002 fixes it (40 rounds, no stall), `--cache-ram 0` avoids
+it. Prints the round it stalled in and the stuck tasks from the server's log; exit 1 on a stall.
 
     python -m bench.llama_server_stall                                   # Pulse's cached build, the bundled Gemma
-    python -m bench.llama_server_stall --binary /tmp/llama-server-upstream --flags=--backend-sampling --rounds 40
+    python -m bench.llama_server_stall --binary /tmp/llama-server-0001-only --flags=--backend-sampling --rounds 40
 """
 from __future__ import annotations
 

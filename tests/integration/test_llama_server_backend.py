@@ -1,7 +1,9 @@
 """LlamaServerBackend against a real llama-server running the real bundled model (one process per module)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.request
 
 import pytest
 import pytest_asyncio
@@ -199,10 +201,9 @@ async def test_the_gpu_draw_path_reserves_again_on_every_request_and_answers_rig
     """With --backend-sampling (the h200 profile's GPU draw; llama.cpp's CPU backend runs the same sampler graph here)
     every request attaches its sampler chain at its start and detaches it at its end, and each makes the context
     reserve its compute graphs again (deploy/llama_patches/0001 keeps the scheduler's buffers across those). Greedy
-    answers, request after request, are the host draw's tokens exactly; then mixed requests (greedy, temperature 1,
-    logprobs and a grammar, which take the host draw) all finish. One after another: concurrent mixed requests on
-    two pinned slots can leave a launched request unprocessed for good in llama.cpp 11434, with or without this
-    flag and this patch (RELIABILITY.md, "a launched request that llama-server never processes")."""
+    answers, request after request, are the host draw's tokens exactly; then mixed requests at once on the two slots
+    (greedy, temperature 1, logprobs and a grammar, which take the host draw) all finish (before
+    deploy/llama_patches/0002 such a round could leave a launched request unprocessed for good: RELIABILITY.md)."""
     host, _ = served
     backend = make_backend(tmp_path, slots=2, extra_args=["--backend-sampling"])
     await backend.start()
@@ -217,10 +218,48 @@ async def test_the_gpu_draw_path_reserves_again_on_every_request_and_answers_rig
         mixed = [request("m0", prompts[0], 10), request("m1", prompts[1], 10, sampling=hot),
                  request("m2", prompts[2], 6, logprobs=2), request("m3", encode("A person as JSON:"), 12, grammar="{}"),
                  request("m4", prompts[3], 10, sampling=hot), request("m5", prompts[1], 8)]
-        results = [await collect(backend, r) for r in mixed]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(backend, r) for r in mixed)), 120)
         for r, chunks in zip(mixed, results):
             assert chunks[-1].finish_reason in ("stop", "length"), (r.request_id, chunks[-1])
             assert any(c.token_ids for c in chunks), r.request_id
         assert all(lp.logprob <= 0 for c in results[2] if c.logprobs for lp in c.logprobs)
+    finally:
+        await backend.close()
+
+
+async def test_requests_pinned_to_busy_slots_all_finish_with_their_own_answers(tmp_path):
+    """llama.cpp 11434 ran its prompt-cache update on a busy slot when a request pinned to it (`id_slot`, Pulse's slot
+    affinity) arrived: the cached prompt that best matched the new request replaced the running one's, which then
+    never finished its prompt (or, caught generating, went on from the wrong KV). deploy/llama_patches/0002 leaves the
+    busy slot alone. Rounds of six requests at once on two slots with Pulse's flags (unified KV, the RAM prompt cache
+    on, as the cpu, cuda, gb10 and thor profiles run it), four pinned: every request ends within 30 s, and each
+    greedy one gives the answer it gives alone (the unpatched build stalled in round 2 or 3 of six tries of 40)."""
+    backend = make_backend(tmp_path, slots=2)
+    await backend.start()
+    url = backend.lanes[0].process.url + "/completion"
+
+    def post(body: dict) -> list[int]:
+        data = json.dumps({"cache_prompt": True, "return_tokens": True, "stream": False, **body}).encode()
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # a stalled request fails here
+            return json.loads(r.read())["tokens"]
+
+    # counting: a greedy continuation with a wide margin at every token, different for each note, so that batching's
+    # rounding cannot change it and another note's KV would
+    note = [encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",")
+            for i in range(4)]
+    round_ = [{"prompt": note[0], "n_predict": 10, "temperature": 0, "id_slot": 0},
+              {"prompt": note[1], "n_predict": 10, "temperature": 1.0, "id_slot": -1},
+              {"prompt": note[2], "n_predict": 6, "temperature": 0, "id_slot": 1},
+              {"prompt": encode("A person as JSON:"), "n_predict": 12, "temperature": 0,
+               "json_schema": {"type": "object"}, "id_slot": -1},
+              {"prompt": note[3], "n_predict": 10, "temperature": 1.0, "id_slot": 0},
+              {"prompt": note[1], "n_predict": 8, "temperature": 0, "id_slot": 1}]
+    try:
+        alone = {i: post(b) for i, b in enumerate(round_) if b["temperature"] == 0 and "json_schema" not in b}
+        for n in range(8):
+            got = await asyncio.gather(*(asyncio.to_thread(post, b) for b in round_))
+            for i, want in alone.items():
+                assert got[i] == want, (n, i, got[i], want)
     finally:
         await backend.close()
