@@ -244,8 +244,8 @@ async def test_requests_pinned_to_busy_slots_all_finish_with_their_own_answers(t
         with urllib.request.urlopen(req, timeout=30) as r:  # a stalled request fails here
             return json.loads(r.read())["tokens"]
 
-    # counting: a greedy continuation with a wide margin at every token, different for each note, so that batching's
-    # rounding cannot change it and another note's KV would
+    # counting: a greedy continuation with a wide margin at every token, different for each note: batching's
+    # rounding is unlikely to flip it, another note's KV would change it
     note = [encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",")
             for i in range(4)]
     round_ = [{"prompt": note[0], "n_predict": 10, "temperature": 0, "id_slot": 0},
