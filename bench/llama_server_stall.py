@@ -27,13 +27,21 @@ from workers.llama_server.binary import find_llama_server
 from workers.protocol.model import load_model_info
 
 BASE = "The three primary colours are red, yellow and blue. Explain how to mix green paint:"
-ROUND = [{"prompt": f"Note 0: {BASE}", "n_predict": 10, "temperature": 0, "id_slot": 0},
-         {"prompt": f"Note 1: {BASE}", "n_predict": 10, "temperature": 1.0, "id_slot": -1},
-         {"prompt": f"Note 2: {BASE}", "n_predict": 6, "temperature": 0, "n_probs": 2, "id_slot": 1},
-         {"prompt": "A person as JSON:", "n_predict": 12, "temperature": 0, "json_schema": {"type": "object"},
-          "id_slot": -1},
-         {"prompt": f"Note 3: {BASE}", "n_predict": 10, "temperature": 1.0, "id_slot": 0},
-         {"prompt": f"Note 1: {BASE}", "n_predict": 8, "temperature": 0, "id_slot": 1}]
+
+
+def round_of(notes: Sequence, schema_prompt) -> list[dict]:
+    """One round's six /completion bodies on two slots, four pinned: `notes` are four prompts (text or token ids),
+    `schema_prompt` the one answered under a JSON schema."""
+    return [{"prompt": notes[0], "n_predict": 10, "temperature": 0, "id_slot": 0},
+            {"prompt": notes[1], "n_predict": 10, "temperature": 1.0, "id_slot": -1},
+            {"prompt": notes[2], "n_predict": 6, "temperature": 0, "n_probs": 2, "id_slot": 1},
+            {"prompt": schema_prompt, "n_predict": 12, "temperature": 0, "json_schema": {"type": "object"},
+             "id_slot": -1},
+            {"prompt": notes[3], "n_predict": 10, "temperature": 1.0, "id_slot": 0},
+            {"prompt": notes[1], "n_predict": 8, "temperature": 0, "id_slot": 1}]
+
+
+ROUND = round_of([f"Note {i}: {BASE}" for i in range(4)], "A person as JSON:")
 
 
 def stuck_tasks(log: str) -> list[str]:

@@ -68,15 +68,16 @@ async def collect(backend, req: GenerateRequest) -> list[Chunk]:
     return [c async for c in backend.generate(req)]
 
 
-def direct_answer(backend, body: dict) -> dict:
-    """llama-server's own non-streaming /completion answer to `body`, bypassing Pulse (prompt not cached)."""
+def direct_answer(backend, body: dict, timeout: float = 60) -> dict:
+    """llama-server's own non-streaming /completion answer to `body`, bypassing Pulse (prompt not cached unless
+    `body` says so)."""
     import json
     import urllib.request
 
     data = json.dumps({"cache_prompt": False, "return_tokens": True, "stream": False, **body}).encode()
     req = urllib.request.Request(backend.lanes[0].process.url + "/completion", data=data,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 
 import pytest
 import pytest_asyncio
 
-from bench import llama_server_log
+from bench import llama_server_log, llama_server_stall
 from cache.hashing import chain_hashes
 from tests.integration.llama_server_helpers import (
     collect,
@@ -236,25 +235,15 @@ async def test_requests_pinned_to_busy_slots_all_finish_with_their_own_answers(t
     greedy one gives the answer it gives alone (the unpatched build stalled in round 2 or 3 of six tries of 40)."""
     backend = make_backend(tmp_path, slots=2)
     await backend.start()
-    url = backend.lanes[0].process.url + "/completion"
 
-    def post(body: dict) -> list[int]:
-        data = json.dumps({"cache_prompt": True, "return_tokens": True, "stream": False, **body}).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:  # a stalled request fails here
-            return json.loads(r.read())["tokens"]
+    def post(body: dict) -> list[int]:  # a stalled request fails here, after 30 s
+        return direct_answer(backend, {"cache_prompt": True, **body}, timeout=30)["tokens"]
 
     # counting: a greedy continuation with a wide margin at every token, different for each note: batching's
     # rounding is unlikely to flip it, another note's KV would change it
     note = [encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",")
             for i in range(4)]
-    round_ = [{"prompt": note[0], "n_predict": 10, "temperature": 0, "id_slot": 0},
-              {"prompt": note[1], "n_predict": 10, "temperature": 1.0, "id_slot": -1},
-              {"prompt": note[2], "n_predict": 6, "temperature": 0, "id_slot": 1},
-              {"prompt": encode("A person as JSON:"), "n_predict": 12, "temperature": 0,
-               "json_schema": {"type": "object"}, "id_slot": -1},
-              {"prompt": note[3], "n_predict": 10, "temperature": 1.0, "id_slot": 0},
-              {"prompt": note[1], "n_predict": 8, "temperature": 0, "id_slot": 1}]
+    round_ = llama_server_stall.round_of(note, encode("A person as JSON:"))  # bench.llama_server_stall's round
     try:
         alone = {i: post(b) for i, b in enumerate(round_) if b["temperature"] == 0 and "json_schema" not in b}
         for n in range(8):
