@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bench/llama_swa_full.py on the GPU machine (issue 18): the CUDA build of the pinned llama.cpp with the h200
+# profile's llama-server flags (64 slots, -c 65536, one KV pool), with and without --swa-full. Needs only the
+# build (`bash bench/gpu_build_llama.sh` carrying .llama) and the stage that carries the model (the last one of
+# bench/gpu_stage_ray.sh's, with .device/clean), then:
+#   cd .device/clean && bash bench/gpu_swa_full.sh
+# SWA_ARGS replaces the bench's own arguments. Leaves the table, the JSON and llama-server's log in $OUT.
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+if ! llama_built; then
+  echo "no llama-server build (build.rc: $(cat /root/lb/build.rc 2>/dev/null || echo none))"
+  tail -20 /root/lb/build.log 2>/dev/null; exit 1
+fi
+uptime
+out=${OUT:-/tmp}
+eval "sa=(${SWA_ARGS:---contexts 32 512 4000 16000 32000 --clients 8 32 --tokens 64 --turns 3 --rounds 3 --repeats 3})"
+timeout --signal=INT -k 20 "${T:-540}" python3 -m bench.llama_swa_full --binary /root/lb/build/bin/llama-server \
+  --model "$model" --args "-np 64 -c 65536 --kv-unified --no-cache-idle-slots -fa on --metrics --cache-ram 0 -ub 512 \
+  --backend-sampling" --json "$out/swa_full.json" --log "$out/swa_full-llama.log" "${sa[@]}" | tee "$out/swa_full.md"
+gzip -f "$out/swa_full-llama.log" 2>/dev/null
+uptime
