@@ -142,17 +142,24 @@ def main(argv=None) -> int:
     print(f"Machine: {describe(info)}")
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     names = list(VARIANTS)
-    with open(a.log, "ab") as log:
-        for rep in range(a.repeats):
-            for v in names[rep % 2:] + names[:rep % 2]:  # the order alternates per repeat
-                p = start(a.binary, a.model, a.port, [*shlex.split(a.args), *VARIANTS[v]], log)
-                try:
-                    r = one_run(a.port, a.contexts, a.clients, a.tokens, a.turns, a.rounds, rep)
-                finally:
-                    p.terminate()
-                    p.wait(30)
-                runs[v].append(r)
-                print(f"repeat {rep} {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in r.items()), flush=True)
+    try:  # SIGINT (e.g. `timeout --signal=INT`) ends the run early: the repeats both variants finished still count
+        with open(a.log, "ab") as log:
+            for rep in range(a.repeats):
+                for v in names[rep % 2:] + names[:rep % 2]:  # the order alternates per repeat
+                    p = start(a.binary, a.model, a.port, [*shlex.split(a.args), *VARIANTS[v]], log)
+                    try:
+                        r = one_run(a.port, a.contexts, a.clients, a.tokens, a.turns, a.rounds, rep)
+                    finally:
+                        p.terminate()
+                        p.wait(30)
+                    runs[v].append(r)
+                    print(f"repeat {rep} {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in r.items()), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: the table has the repeats both variants finished", flush=True)
+    done = min(len(r) for r in runs.values())
+    if not done:
+        return 1
+    runs = {v: r[:done] for v, r in runs.items()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"argv": argv or sys.argv[1:], "machine": info, "runs": runs}, f, indent=1)
