@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3, help="returning requests a context, one client")
     ap.add_argument("--rounds", type=int, default=3, help="requests a client under concurrency")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--port", type=int, default=9317)
+    ap.add_argument("--port", type=int, default=0, help="llama-server's port (0: a free one)")
     ap.add_argument("--log", default=os.devnull, help="llama-server's output, appended")
     ap.add_argument("--json", default=None, help="write every run here")
     a = ap.parse_args(argv)
@@ -142,6 +143,10 @@ def main(argv=None) -> int:
     print(f"Machine: {describe(info)}")
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     names = list(VARIANTS)
+    if not a.port:
+        with socket.socket() as sock:  # a free loopback port (llama-server cannot report one it picked itself)
+            sock.bind(("127.0.0.1", 0))
+            a.port = sock.getsockname()[1]
     try:  # SIGINT (e.g. `timeout --signal=INT`) ends the run early: the repeats both variants finished still count
         with open(a.log, "ab") as log:
             for rep in range(a.repeats):

@@ -1,0 +1,31 @@
+"""bench/llama_swa_full.py end to end on the CPU llama-server and the bundled Gemma 3 (a sliding-window model),
+tiny settings: both variants run, every measure is a real timing from llama-server, the JSON keeps each run, and
+--swa-full reaches the server only in its variant."""
+import json
+
+import pytest
+
+from bench import llama_swa_full
+from tests.integration.llama_server_helpers import llama_server_binary
+from workers.protocol.model import bundled_model_path
+
+pytestmark = pytest.mark.slow
+
+
+def test_swa_full_bench_runs_both_variants_on_the_cpu_llama_server(tmp_path, capsys):
+    log = tmp_path / "llama.log"
+    rc = llama_swa_full.main(["--binary", str(llama_server_binary()), "--model", str(bundled_model_path()),
+                              "--args", "-np 2 -c 2048 --kv-unified -t 1 --cache-ram 0", "--contexts", "40",
+                              "--clients", "2", "--tokens", "3", "--turns", "1", "--rounds", "1", "--repeats", "1",
+                              "--log", str(log), "--json", str(tmp_path / "runs.json")])
+    assert rc == 0
+    runs = json.loads((tmp_path / "runs.json").read_text())["runs"]
+    assert set(runs) == {"window", "swa-full"}
+    for variant, (run,) in runs.items():
+        assert set(run) == {"ctx40_retry_prompt_ms", "ctx40_decode_ms", "ctx40_next_prompt_ms", "c2_tok_s",
+                            "c2_prompt_ms_p50"}, variant
+        assert all(v > 0 for v in run.values()), (variant, run)
+    out = capsys.readouterr().out
+    assert "| ctx40_retry_prompt_ms |" in out and "| c2_tok_s |" in out
+    # llama-server logs the context it builds: a full-size window cache only where the flag was given
+    assert log.read_text(errors="replace").count("using full-size SWA cache") == 1
