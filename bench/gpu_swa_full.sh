@@ -16,8 +16,12 @@ fi
 uptime
 out=${OUT:-/tmp}
 eval "sa=(${SWA_ARGS:---contexts 32 512 4000 16000 32000 --clients 8 32 --tokens 64 --turns 3 --rounds 3 --repeats 3})"
+# the h200 profile's llama-server flags as Pulse passes them (flags.server_argv's pool flags first), but -c 65536 as
+# bench/gpu_parity.sh runs it, and without --swa-full: the bench's variants add it or not
+pa=$(python3 -c "from policy.profiles import builtin_profiles as b
+print(' '.join(a for a in b()['h200'].llama_server_args if a != '--swa-full'))")
 timeout --signal=INT -k 20 "${T:-540}" python3 -m bench.llama_swa_full --binary /root/lb/build/bin/llama-server \
-  --model "$model" --args "-np 64 -c 65536 --kv-unified --no-cache-idle-slots -fa on --metrics --cache-ram 0 -ub 512 \
-  --backend-sampling" --json "$out/swa_full.json" --log "$out/swa_full-llama.log" "${sa[@]}" | tee "$out/swa_full.md"
-gzip -f "$out/swa_full-llama.log" 2>/dev/null
+  --model "$model" --args "-np 64 -c 65536 --kv-unified --no-cache-idle-slots $pa" --json "$out/swa_full.json" \
+  --log-dir /tmp/swa_full-logs "${sa[@]}" | tee "$out/swa_full.md"
+tar czf "$out/swa_full-logs.tgz" -C /tmp swa_full-logs 2>/dev/null
 uptime

@@ -118,9 +118,10 @@ def server_argv(binary: Path, server: Server, args, port: int) -> list[str]:
                              profile_args=profile, threads=args.threads)
 
 
-def prompt_ids(n: int) -> list[int]:
-    """A fixed prompt of n token ids (BOS, then a spread of ordinary ids): no tokenizer needed on the GPU box."""
-    return [2, *((1000 + 7919 * i) % 100_000 + 1000 for i in range(n - 1))]
+def prompt_ids(n: int, salt: int = 0) -> list[int]:
+    """A fixed prompt of n token ids (BOS, then a spread of ordinary ids): no tokenizer needed on the GPU box.
+    Another `salt`, another prompt."""
+    return [2, *((1000 + 7919 * (i + 131 * salt)) % 100_000 + 1000 for i in range(n - 1))]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

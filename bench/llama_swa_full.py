@@ -29,22 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.llama_server_gap import prompt_ids as prompt
+from bench.procs import Proc, free_port
 
 VARIANTS = {"window": [], "swa-full": ["--swa-full"]}
-
-
-def prompt(n: int, salt: int) -> list[int]:
-    """n token ids (BOS first) of a spread of ordinary ids, different per salt: no tokenizer needed."""
-    return [2, *((1000 + 7919 * (i + 131 * salt)) % 100_000 + 1000 for i in range(n - 1))]
 
 
 def post(port: int, body: dict, timeout: float = 900.0) -> dict:
@@ -56,24 +53,6 @@ def post(port: int, body: dict, timeout: float = 900.0) -> dict:
 
 def body(ids: list[int], n: int) -> dict:
     return {"prompt": ids, "n_predict": n, "temperature": 0, "cache_prompt": True, "ignore_eos": True}
-
-
-def start(binary: str, model: str, port: int, args: list[str], log) -> subprocess.Popen:
-    p = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), *args],
-                         stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {p.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return p
-        except OSError:
-            pass
-        time.sleep(0.3)
-    p.kill()
-    raise RuntimeError("llama-server did not become healthy in 300 s")
 
 
 def one_run(port: int, contexts: list[int], clients: list[int], tokens: int, turns: int, rounds: int,
@@ -91,8 +70,9 @@ def one_run(port: int, contexts: list[int], clients: list[int], tokens: int, tur
         out[f"ctx{n}_decode_ms"] = statistics.median(dm)
         pm, convo = [], list(ids)
         for t in range(turns):  # the conversation goes on: the prompt, its answer, a new message
-            r = post(port, {**body(convo + prompt(9, salt * 1000 + n + 7 * t + 3)[1:], tokens), "return_tokens": True})
-            convo += prompt(9, salt * 1000 + n + 7 * t + 3)[1:] + r["tokens"]
+            convo += prompt(9, salt * 1000 + n + 7 * t + 3)[1:]
+            r = post(port, {**body(convo, tokens), "return_tokens": True})
+            convo += r["tokens"]
             pm.append(r["timings"]["prompt_ms"])
         out[f"ctx{n}_next_prompt_ms"] = statistics.median(pm)
     for c in clients:
@@ -133,38 +113,36 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3, help="returning requests a context, one client")
     ap.add_argument("--rounds", type=int, default=3, help="requests a client under concurrency")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--port", type=int, default=0, help="llama-server's port (0: a free one)")
-    ap.add_argument("--log", default=os.devnull, help="llama-server's output, appended")
+    ap.add_argument("--log-dir", default=None, help="llama-server's output, a file a run (default: a temporary folder)")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--json", default=None, help="write every run here")
     a = ap.parse_args(argv)
+    if "--swa-full" in shlex.split(a.args):
+        ap.error("--args must not hold --swa-full: it is what the variants set apart")
     from bench.machine import describe, machine_info
     info = machine_info()
     print(f"`python -m bench.llama_swa_full {' '.join(shlex.quote(x) for x in (argv or sys.argv[1:]))}`")
     print(f"Machine: {describe(info)}")
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     names = list(VARIANTS)
-    if not a.port:
-        with socket.socket() as sock:  # a free loopback port (llama-server cannot report one it picked itself)
-            sock.bind(("127.0.0.1", 0))
-            a.port = sock.getsockname()[1]
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="swa-full-"))
     try:  # SIGINT (e.g. `timeout --signal=INT`) ends the run early: the repeats both variants finished still count
-        with open(a.log, "ab") as log:
-            for rep in range(a.repeats):
-                for v in names[rep % 2:] + names[:rep % 2]:  # the order alternates per repeat
-                    p = start(a.binary, a.model, a.port, [*shlex.split(a.args), *VARIANTS[v]], log)
-                    try:
-                        r = one_run(a.port, a.contexts, a.clients, a.tokens, a.turns, a.rounds, rep)
-                    finally:
-                        p.terminate()
-                        p.wait(30)
-                    runs[v].append(r)
-                    print(f"repeat {rep} {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in r.items()), flush=True)
+        for rep in range(a.repeats):
+            for v in names[rep % 2:] + names[:rep % 2]:  # the order alternates per repeat
+                port = free_port()
+                with Proc(f"llama-server-{v}-{rep}", [a.binary, "-m", a.model, "--host", "127.0.0.1", "--port",
+                                                      str(port), *shlex.split(a.args), *VARIANTS[v]], log_dir) as p:
+                    p.wait_healthy(f"http://127.0.0.1:{port}/health", a.start_timeout)
+                    r = one_run(port, a.contexts, a.clients, a.tokens, a.turns, a.rounds, rep)
+                runs[v].append(r)
+                print(f"repeat {rep} {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in r.items()), flush=True)
     except KeyboardInterrupt:
         print("interrupted: the table has the repeats both variants finished", flush=True)
     done = min(len(r) for r in runs.values())
     if not done:
         return 1
     runs = {v: r[:done] for v, r in runs.items()}
+    print(f"llama-server logs: {log_dir}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"argv": argv or sys.argv[1:], "machine": info, "runs": runs}, f, indent=1)
