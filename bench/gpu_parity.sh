@@ -10,6 +10,8 @@
 #   PARITY_ARGS="--clients 1 8 --variants '' '' --variant-binaries '' /root/lb/released/llama-server-released" ...
 # On a GPU other than the H200 (the cuda profile: 16 slots, the RAM prompt cache on) the h200 profile's llama-server
 # settings are set explicitly: 64 slots, SERVER_ARGS="--cache-ram 0 --backend-sampling" (later flags win).
+# KV sets llama-server's -c (default 65536, as every parity figure so far ran); KV= (empty) leaves the profile's
+# kv_cache_tokens, as `pulse serve` ships it (the h200 profile: 1,048,576).
 # It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
 # wait, so that the call's 600 s still bring the results back; SIGINT at the limit still summarizes the runs that
 # ended), and leaves in $OUT the table, the JSON and one tarball of the logs
@@ -28,11 +30,13 @@ sa=()
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   sa=(--slots 64 --server-args="${SERVER_ARGS:---cache-ram 0 --backend-sampling}")
 [[ -n ${SERVER_ARGS:-} && ${#sa[@]} -eq 0 ]] && sa=(--server-args="$SERVER_ARGS")
+KV=${KV-65536}
+[[ -n $KV ]] && sa+=(--kv-tokens "$KV")
 # PARITY_ARGS is read as shell words, so a quoted variant keeps its spaces
 eval "pa=(${PARITY_ARGS:---clients 1 8 32 64 --modes greedy t1exact --tokens 128 --requests-per-client 2 --repeats 2 \
   --warmup 1})"
 timeout --signal=INT -k 20 "$T" python3 -m bench.llama_server_parity --model "$model" \
-  --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 --kv-tokens 65536 \
+  --binary /root/lb/build/bin/llama-server --apis completions --queue-deadline 600 \
   --out "$d" --quiet "${sa[@]}" "${pa[@]}"
 uptime
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
