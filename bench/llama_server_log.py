@@ -69,6 +69,20 @@ def parse(lines: Iterable[str]) -> list[Launch]:
     return list(launches.values())
 
 
+def deferred_picks(lines: Iterable[str]) -> int:
+    """How many slot picks were not launched: the request named a slot that was busy, so llama-server deferred
+    it until that very slot ends its generation (and retried the pick then), where a request naming no slot takes
+    whichever frees first. A deferred pick is followed by another pick before any launch."""
+    deferred, waiting = 0, False
+    for line in lines:
+        if _PICK.search(line):
+            deferred += waiting
+            waiting = True
+        elif _LAUNCH.search(line):
+            waiting = False
+    return deferred + waiting
+
+
 def launch_groups(launches: Sequence[Launch], within_s: float = 0.001) -> list[int]:
     """Sizes of the groups the launches came in: a launch within `within_s` of the one before joins its group.
     The server launches what waits in its queue between two steps all at once, so a group is the requests that
@@ -92,12 +106,13 @@ def slice_metrics(path: Path, start: int, end: int) -> dict[str, float]:
     with path.open("rb") as fh:
         fh.seek(start)
         text = fh.read(max(0, end - start)).decode(errors="replace")
-    launches = parse(text.splitlines())
+    rows = text.splitlines()
+    launches = parse(rows)
     if not launches:
         return {}
     groups = launch_groups(launches)
     out = {"server_launches": len(launches), "launch_groups": len(groups),
-           "launches_per_group": len(launches) / len(groups),
+           "launches_per_group": len(launches) / len(groups), "deferred_picks": deferred_picks(rows),
            "server_prompt_p50_ms": _q([launch.prompt_ms for launch in launches], 0.5)}
     reserves = [float(m.group(1)) for m in _RESERVE.finditer(text)]
     if reserves:  # only a server started with -lv 4 logs them

@@ -52,8 +52,8 @@ MODES = {
     "t1exact": ({"temperature": 1.0}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}),  # extra fields: direct only
 }
 TABLE_METRICS = ["tok_s", "tok_s_ratio", "tok_s_vs_v0", "ttft_p50_ms", "ttft_p99_ms", "added_ttft_p50_ms",
-                 "added_ttft_p99_ms", "launches_per_group", "server_prompt_p50_ms", "server_reserve_ms", "errors",
-                 "rate_limited"]
+                 "added_ttft_p99_ms", "launches_per_group", "deferred_picks", "server_prompt_p50_ms",
+                 "server_reserve_ms", "errors", "rate_limited"]
 PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
 
 

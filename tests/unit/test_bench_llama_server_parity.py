@@ -110,14 +110,18 @@ def test_a_runs_slice_of_the_server_log_counts_its_launch_groups(tmp_path):
                 f"0.59.000.000 I slot print_timing: id  {slot} | task {task} | prompt eval time =     {prompt_ms} ms /"
                 "     5 tokens (    1.00 ms per token,   5.00 tokens per second)"]
     before = launch("0.01.000", 9, 1, 50.0)
-    run = launch("0.02.000", 0, 10, 70.0) + launch("0.02.000", 1, 11, 70.0) + launch("0.02.071", 2, 12, 140.0)
+    # one request named slot 1 while it was busy: picked, deferred (no launch), retried later
+    deferred = ["0.02.010.000 I slot get_availabl: id  1 | task -1 | selected slot by id (1)"]
+    run = (launch("0.02.000", 0, 10, 70.0) + launch("0.02.000", 1, 11, 70.0) + deferred
+           + launch("0.02.071", 2, 12, 140.0))
     log = tmp_path / "llama-server-w.log"
     log.write_text("\n".join(before) + "\n")
     start = log.stat().st_size
     log.write_text(log.read_text() + "\n".join(run) + "\n")
     assert launch_groups(parse(run)) == [2, 1]
     m = slice_metrics(log, start, log.stat().st_size)
-    assert m == {"server_launches": 3, "launch_groups": 2, "launches_per_group": 1.5, "server_prompt_p50_ms": 70.0}
+    assert m == {"server_launches": 3, "launch_groups": 2, "launches_per_group": 1.5, "deferred_picks": 1,
+                 "server_prompt_p50_ms": 70.0}
     assert slice_metrics(log, start, start) == {}
     # with -lv 4 the server logs each re-reserve of its compute graphs: counted and summed per run
     log.write_text(log.read_text() + "0.03.000.000 I sched_reserve: reserve took 80.50 ms, sched copies = 1\n"

@@ -90,3 +90,40 @@ def test_slot_hashes_start_from_the_models_chain_root():
     want = chain_hashes(A + list(range(900, 917)), 16, 12345)
     assert t.slots[0].hashes == want and not set(want) & set(chain_hashes(A, 16))
     assert [h for e in events if e.kind == "added" for h in e.hashes] == want
+
+
+def test_no_slot_is_chosen_while_a_request_sent_without_one_is_unplaced():
+    """llama-server gives a queued request whichever slot frees first, and Pulse learns which only from its first
+    event: any slot counted idle meanwhile may be that one's, and a request sent to it would wait for its end."""
+    t, _ = table(2)
+    on_0 = t.acquire(0, A)
+    t.acquire(1, B)
+    assert t.choose(A) is None
+    t.sent_unplaced()  # so it went with no slot
+    t.release(0, on_0, [])  # the request on slot 0 ended: llama-server may have launched the queued one there
+    assert not t.slots[0].busy and t.choose(A) is None
+    t.placed()  # its first event named the slot
+    assert t.choose(A) == 0
+
+
+def test_a_slot_counts_its_holders_and_keeps_the_latest_prompt():
+    """llama-server may start a request on a slot before Pulse reads the end of the one before it there: the
+    earlier release neither frees the slot nor overwrites what the later request put in it."""
+    t, _ = table(1)
+    first = t.acquire(0, A)
+    second = t.acquire(0, B)  # placed by llama-server, learned from its first event
+    t.release(0, first, [1, 2, 3])
+    assert t.slots[0].busy and t.slots[0].tokens == B and t.choose(A) is None
+    t.release(0, second, [4, 5])
+    assert not t.slots[0].busy and t.slots[0].tokens == B + [4]
+
+
+def test_a_reservation_becomes_the_requests_hold():
+    t, _ = table(1)
+    epoch = t.reserve(0)
+    assert t.choose(A) is None
+    ticket = t.acquire(0, A)
+    t.unreserve(0, epoch)  # a late unreserve (e.g. a cancelled restore) does not free a held slot
+    assert t.slots[0].busy
+    t.release(0, ticket, [])
+    assert not t.slots[0].busy

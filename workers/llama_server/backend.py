@@ -136,7 +136,11 @@ class LlamaServerBackend(Backend):
             slot, hashes = await self.checkpoints.prepare(lane, prompt)
         else:
             slot, hashes = (lane.slots.choose(prompt) if self.cfg.slot_affinity else None), None
-        epoch = lane.slots.acquire(slot, prompt, hashes) if slot is not None else -1
+        if slot is not None:
+            ticket = lane.slots.acquire(slot, prompt, hashes)
+        else:  # llama-server will choose: until its first event says which, Pulse chooses none for others
+            ticket = -1
+            lane.slots.sent_unplaced()
         flight = self._flights[request.request_id] = _Flight(lane)
         lane.running += 1
         generated: list[int] = []
@@ -149,7 +153,8 @@ class LlamaServerBackend(Backend):
                 lane.progress_at = time.monotonic()
                 if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which
                     slot = ev.id_slot
-                    epoch = lane.slots.acquire(slot, prompt)
+                    ticket = lane.slots.acquire(slot, prompt)
+                    lane.slots.placed()
                 if ev.error is not None:
                     raise ConnectionError(f"llama-server error: {ev.error.get('message', ev.error)}")
                 if stop_ids and (cut := _stop_cut(ev.tokens, stop_ids)) is not None:
@@ -187,8 +192,10 @@ class LlamaServerBackend(Backend):
                 flight.resp.close()  # closing the connection makes llama-server cancel the task
             lane.running -= 1
             self._flights.pop(request.request_id, None)
+            if ticket < 0:  # ended before llama-server named its slot
+                lane.slots.placed()
             if slot is not None:
-                lane.slots.release(slot, epoch, generated, failed)
+                lane.slots.release(slot, ticket, generated, failed)
                 if self.checkpoints is not None and lane.checkpoints and not failed:
                     self.checkpoints.after_request(lane, slot)
 

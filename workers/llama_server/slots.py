@@ -5,9 +5,20 @@ sent to that slot (`cache_prompt`). So Pulse sends a prompt to the idle slot who
 the longest prefix with it, else to the least recently used one, and tells the prefix index which
 blocks a slot now holds and which it dropped. A block two slots hold stays
 published until neither holds it (reference counts).
+
+Pulse sends a request to a slot only when it knows that slot is idle. A request sent with no slot (all were
+busy) waits in llama-server's queue and takes whichever slot frees first; Pulse learns which only from its first
+event, after its prompt was evaluated. Until then any slot Pulse counts idle may already be that request's, and a
+request sent to a busy slot waits for that very slot to end its generation (llama-server defers it, and a release
+hands the slot to a deferred request before any queued one). So while such unplaced requests exist, new ones go
+without a slot too, in arrival order, as they would to llama-server alone. Pinning them instead kept 8 clients on
+4 slots in fixed pairs that launched in smaller groups, each launch a prompt step the rest wait out (2-core box,
+2026-12-06: 1,481 deferred picks in one parity run). A slot counts its holders, not a flag: a request llama-server
+placed there may start before Pulse reads the end of the one before it.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,9 +43,15 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # what its KV holds (prompt + generated so far)
     hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks
-    busy: bool = False
+    holders: int = 0  # requests on it (or sent to it) that have not ended
+    reserved: bool = False  # held for a checkpoint save or restore
+    owner: int = 0  # the ticket of the request whose prompt `tokens` holds
     last_used: float = 0.0
-    epoch: int = 0  # bumped when the process restarts: a release from before then is stale
+    epoch: int = 0  # bumped when the process restarts: a reservation from before then is stale
+
+    @property
+    def busy(self) -> bool:
+        return self.holders > 0 or self.reserved
 
 
 class SlotTable:
@@ -44,17 +61,20 @@ class SlotTable:
         self.root = root  # the model's chain root (ModelInfo.chain_root.hash): the first block's parent
         self.slots = [Slot(i) for i in range(n_slots)]
         self._refs: Counter[int] = Counter()
+        self.unplaced = 0  # requests sent with no slot whose slot is not known yet (`sent_unplaced`, `placed`)
+        self._tickets = itertools.count(1)
+        self._valid_from = 0  # tickets below this were issued before the last reset
 
     def choose(self, prompt: list[int]) -> int | None:
         """The idle slot sharing the longest prefix (at least one block) with `prompt`, else the least
-        recently used idle slot (empty ones first); None when all are busy (llama-server then queues the
-        request, and only its final event names the slot it used)."""
+        recently used idle slot (empty ones first); None when all are busy or a request sent with no slot is
+        not placed yet (llama-server then queues the request, and its first event names the slot it got)."""
         return self.best(prompt)[0]
 
     def best(self, prompt: list[int]) -> tuple[int | None, int]:
         """`choose`'s slot and how many leading tokens of `prompt` it holds (0 on a miss)."""
         idle = [s for s in self.slots if not s.busy]
-        if not idle:
+        if not idle or self.unplaced:
             return None, 0
         best, best_len = None, self.block_size - 1
         for s in idle:
@@ -67,11 +87,21 @@ class SlotTable:
         idle = [s for s in self.slots if not s.busy]
         return min(idle, key=lambda s: s.last_used).index if idle else None
 
+    def sent_unplaced(self) -> None:
+        """A request went to llama-server with no slot: until `placed`, no slot is chosen for others."""
+        self.unplaced += 1
+
+    def placed(self) -> None:
+        """A request sent with no slot got one (its first event named it), or ended without one."""
+        self.unplaced = max(0, self.unplaced - 1)
+
     def acquire(self, index: int, prompt: list[int], hashes: list[int] | None = None) -> int:
         """Slot `index` now runs `prompt` (`hashes`: its chain hashes, if the caller has them); returns the
-        epoch to pass to `release`."""
+        ticket to pass to `release`. A reservation of the slot becomes this hold."""
         slot = self.slots[index]
-        slot.busy = True
+        slot.holders += 1
+        slot.reserved = False
+        slot.owner = ticket = next(self._tickets)
         slot.last_used = time.monotonic()
         if hashes is None:
             # Hashing costs ~0.25 ms per 1k tokens: reuse the hashes of the blocks the slot already shares.
@@ -80,32 +110,35 @@ class SlotTable:
             parent = slot.hashes[keep - 1] if keep else self.root
             hashes = slot.hashes[:keep] + chain_hashes(prompt[keep * bs :], bs, parent)
         self._replace(slot, list(prompt), list(hashes))
-        return slot.epoch
+        return ticket
 
     def reserve(self, index: int) -> int:
         """Mark slot `index` busy without changing what it holds (while it is saved or restored), so no
-        request is sent to it meanwhile; returns its epoch. `unreserve` ends it."""
+        request is sent to it meanwhile; returns its epoch. `unreserve` (or `acquire`) ends it."""
         slot = self.slots[index]
-        slot.busy = True
+        slot.reserved = True
         return slot.epoch
 
     def unreserve(self, index: int, epoch: int) -> None:
         slot = self.slots[index]
         if slot.epoch == epoch:
-            slot.busy = False
+            slot.reserved = False
 
     def load(self, index: int, tokens: list[int], hashes: list[int]) -> None:
         """Slot `index` now holds `tokens` (a checkpoint was restored into it); it stays busy."""
         self._replace(self.slots[index], list(tokens), list(hashes))
 
-    def release(self, index: int, epoch: int, generated: list[int], failed: bool = False) -> None:
-        """The request on slot `index` ended; its KV now also holds the generated tokens (all but the
-        last, which was sampled and never evaluated). `failed`: what the slot holds is unknown."""
+    def release(self, index: int, ticket: int, generated: list[int], failed: bool = False) -> None:
+        """The request on slot `index` (`ticket`: from its `acquire`) ended; its KV now also holds the generated
+        tokens (all but the last, which was sampled and never evaluated). `failed`: what the slot holds is
+        unknown. If a later request holds the slot already, what it holds is that one's prompt."""
         slot = self.slots[index]
-        if slot.epoch != epoch:
+        if ticket < self._valid_from:
             return
-        slot.busy = False
+        slot.holders = max(0, slot.holders - 1)
         slot.last_used = time.monotonic()
+        if slot.owner != ticket:
+            return
         if failed:
             self._replace(slot, [], [])
             return
@@ -122,8 +155,9 @@ class SlotTable:
         """The process died: every slot is empty, and releases from before now are ignored."""
         for slot in self.slots:
             self._replace(slot, [], [])
-            slot.busy = False
+            slot.holders, slot.reserved = 0, False
             slot.epoch += 1
+        self._valid_from = next(self._tickets)
 
     def used_blocks(self) -> int:
         return sum(-(-len(s.tokens) // self.block_size) for s in self.slots)
