@@ -11,7 +11,8 @@
 # On a GPU other than the H200 (the cuda profile: 16 slots, the RAM prompt cache on) the h200 profile's llama-server
 # settings are set explicitly: 64 slots, SERVER_ARGS="--cache-ram 0 --backend-sampling" (later flags win).
 # KV sets llama-server's -c (default 65536, as every parity figure so far ran); KV= (empty) leaves the profile's
-# kv_cache_tokens, as `pulse serve` ships it (the h200 profile: 1,048,576).
+# kv_cache_tokens, as `pulse serve` ships it (the h200 profile: 1,048,576). SHIPPED=1 runs the machine's own
+# profile as `pulse serve` ships it (on an H100: the cuda profile, 16 slots, its -c and flags), KV= implied.
 # It waits for the build (up to 6 min), runs the bench under T seconds (default: what is left of 560 s after the
 # wait, so that the call's 600 s still bring the results back; SIGINT at the limit still summarizes the runs that
 # ended), and leaves in $OUT the table, the JSON and one tarball of the logs
@@ -27,9 +28,10 @@ uptime
 T=${T:-$((560 - (SECONDS - t0)))}
 d=/tmp/parity-$(date +%s)
 sa=()
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
+[[ -n ${SHIPPED:-} ]] || nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   sa=(--slots 64 --server-args="${SERVER_ARGS:---cache-ram 0 --backend-sampling}")
 [[ -n ${SERVER_ARGS:-} && ${#sa[@]} -eq 0 ]] && sa=(--server-args="$SERVER_ARGS")
+[[ -n ${SHIPPED:-} ]] && KV=${KV-}
 KV=${KV-65536}
 [[ -n $KV ]] && sa+=(--kv-tokens "$KV")
 # PARITY_ARGS is read as shell words, so a quoted variant keeps its spaces

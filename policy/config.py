@@ -250,9 +250,10 @@ class LlamaServerConfig(PulseModel):
     )
     slot_affinity: bool = Field(
         True, description="Pulse picks each request's slot (the idle one holding the longest prefix of the prompt, "
-        "else the least recently used) and sends it as id_slot; false: llama-server picks (its own prompt-similarity "
-        "rule) and Pulse learns the slot from the first event; slot checkpoints, when on, always pick. Either way the "
-        "prefix index hears what each slot holds."
+        "else the least recently used) and sends it as id_slot, unless every slot is busy or a request sent without "
+        "one has not started yet (then llama-server's queue decides, as for a direct caller); false: llama-server "
+        "picks (its own prompt-similarity rule) and Pulse learns the slot from the first event; slot checkpoints, when "
+        "on, always pick. Either way the prefix index hears what each slot holds."
     )
     log_dir: str | None = Field(None, description="Where llama-server's output is written; empty: <cache>/logs.")
     restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between restarts of a dead process.")
