@@ -122,18 +122,16 @@ async def test_the_servers_log_times_each_launch(tmp_path):
 
 
 async def test_more_clients_than_slots_never_wait_for_a_named_busy_slot(tmp_path):
-    """Six closed-loop clients on two slots: a request Pulse sends to a slot must find it idle. One sent to a slot
-    llama-server had just given to a queued request waits for that slot's whole generation, and kept the clients
-    pinned in pairs (the parity bench's 8 clients on 4 slots: 1,481 such picks in one run). Read from
-    llama-server's own log: every pick is launched at once."""
+    """Six closed-loop clients on two slots, all starting at once: a request Pulse sends to a slot must find it idle.
+    One sent to a slot llama-server had just given to a queued request waits for that slot's whole generation, and
+    kept the clients pinned in pairs (the parity bench's 8 clients on 4 slots: 1,481 such picks in one run); so does
+    one overtaken on the way by a request sent after it with no slot. Read from llama-server's own log: every pick
+    is launched at once."""
     backend = make_backend(tmp_path, slots=2, extra_args=["--log-timestamps"])
     await backend.start()
     prompt = encode("Alpha story: " + "once upon a time there was a fox. " * 3)
 
     async def client(c: int) -> list[str]:
-        # the first requests 20 ms apart: sent together over separate connections, one with no slot could reach
-        # llama-server first and take the slot the other was sent to
-        await asyncio.sleep(0.02 * c)
         return [(await collect(backend, request(f"c{c}r{r}", prompt, 4)))[-1].finish_reason for r in range(4)]
     try:
         finishes = await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(6))), 240)

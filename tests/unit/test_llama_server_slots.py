@@ -127,3 +127,27 @@ def test_a_reservation_becomes_the_requests_hold():
     assert t.slots[0].busy
     t.release(0, ticket, [])
     assert not t.slots[0].busy
+
+
+async def test_a_request_with_no_slot_waits_for_named_ones_sent_before_it_to_start():
+    """Over separate connections it could reach llama-server first and take the slot the named one was sent to."""
+    import asyncio
+    import time
+
+    t, _ = table(2)
+    t0 = time.monotonic()
+    await t.named_ahead()  # nothing named in flight: no wait
+    assert time.monotonic() - t0 < 0.05
+    t.sent_named()
+    t.sent_named()
+    waiter = asyncio.create_task(t.named_ahead(hold_s=5))
+    await asyncio.sleep(0.02)
+    t.started()
+    await asyncio.sleep(0.02)
+    assert not waiter.done()  # one named request has not started yet
+    t.started()
+    await asyncio.wait_for(waiter, 1)
+    t.sent_named()
+    t0 = time.monotonic()
+    await t.named_ahead(hold_s=0.05)  # never started (a long prefill): held no longer than hold_s
+    assert 0.04 < time.monotonic() - t0 < 1

@@ -136,9 +136,13 @@ class LlamaServerBackend(Backend):
             slot, hashes = await self.checkpoints.prepare(lane, prompt)
         else:
             slot, hashes = (lane.slots.choose(prompt) if self.cfg.slot_affinity else None), None
-        if slot is not None:
+        # slots.py: a request sent to a named slot counts as such until its first event; one with no slot makes
+        # Pulse name none for others until its first event says which llama-server chose
+        named = slot is not None
+        if named:
             ticket = lane.slots.acquire(slot, prompt, hashes)
-        else:  # llama-server will choose: until its first event says which, Pulse chooses none for others
+            lane.slots.sent_named()
+        else:
             ticket = -1
             lane.slots.sent_unplaced()
         flight = self._flights[request.request_id] = _Flight(lane)
@@ -147,10 +151,15 @@ class LlamaServerBackend(Backend):
         stop_ids = set(request.stop_token_ids)
         started = failed = False
         try:
+            if not named:  # after the named requests sent before it, which it could overtake on the way
+                await lane.slots.named_ahead()
             resp = await self._open(lane, request, slot, flight)
             while True:
                 ev = await self._next_event(resp)
                 lane.progress_at = time.monotonic()
+                if named:
+                    named = False
+                    lane.slots.started()
                 if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which
                     slot = ev.id_slot
                     ticket = lane.slots.acquire(slot, prompt)
@@ -192,6 +201,8 @@ class LlamaServerBackend(Backend):
                 flight.resp.close()  # closing the connection makes llama-server cancel the task
             lane.running -= 1
             self._flights.pop(request.request_id, None)
+            if named:  # ended before it started
+                lane.slots.started()
             if ticket < 0:  # ended before llama-server named its slot
                 lane.slots.placed()
             if slot is not None:

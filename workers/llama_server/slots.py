@@ -15,9 +15,18 @@ without a slot too, in arrival order, as they would to llama-server alone. Pinni
 4 slots in fixed pairs that launched in smaller groups, each launch a prompt step the rest wait out (2-core box,
 2026-12-06: 1,481 deferred picks in one parity run). A slot counts its holders, not a flag: a request llama-server
 placed there may start before Pulse reads the end of the one before it.
+
+The other way round: a request sent to an idle slot and one sent just after it with no slot travel over separate
+connections, and the second can reach llama-server first and take that slot (its own pick prefers the slot holding
+the same prefix). So a request with no slot is held until every request sent to a named slot has started (its
+first event), at most `NAMED_HOLD_S`: by then a named request has long reached llama-server's queue, ahead of it.
+It is held only when every slot was busy, so it would queue in llama-server anyway; a named request it overtook
+waits out a whole generation (an H100 machine, 16 slots, 32 clients at temperature 1: one deferred pick in a run of
+64 requests whose TTFT p99 was 6.7 s over direct's, a generation being ~6.5 s there).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import Counter
@@ -25,6 +34,8 @@ from dataclasses import dataclass, field
 
 from cache.hashing import ROOT_HASH, block_hash, chain_hashes
 from workers.protocol import BlockEvent, BlockSink
+
+NAMED_HOLD_S = 0.1  # the longest a request with no slot waits for named ones sent before it to start
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -62,6 +73,9 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(n_slots)]
         self._refs: Counter[int] = Counter()
         self.unplaced = 0  # requests sent with no slot whose slot is not known yet (`sent_unplaced`, `placed`)
+        self.named = 0  # requests sent to a named slot that have not started yet (`sent_named`, `started`)
+        self._named_started = asyncio.Event()
+        self._named_started.set()
         self._tickets = itertools.count(1)
         self._valid_from = 0  # tickets below this were issued before the last reset
 
@@ -94,6 +108,25 @@ class SlotTable:
     def placed(self) -> None:
         """A request sent with no slot got one (its first event named it), or ended without one."""
         self.unplaced = max(0, self.unplaced - 1)
+
+    def sent_named(self) -> None:
+        """A request goes to the slot `choose` named: until `started`, requests with no slot are held."""
+        self.named += 1
+        self._named_started.clear()
+
+    def started(self) -> None:
+        """A request sent to a named slot started (its first event came), or ended before."""
+        self.named = max(0, self.named - 1)
+        if not self.named:
+            self._named_started.set()
+
+    async def named_ahead(self, hold_s: float = NAMED_HOLD_S) -> None:
+        """Wait until every request sent to a named slot has started, at most `hold_s`."""
+        if self.named:
+            try:
+                await asyncio.wait_for(self._named_started.wait(), hold_s)
+            except asyncio.TimeoutError:
+                pass
 
     def acquire(self, index: int, prompt: list[int], hashes: list[int] | None = None) -> int:
         """Slot `index` now runs `prompt` (`hashes`: its chain hashes, if the caller has them); returns the
