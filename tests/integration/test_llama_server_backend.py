@@ -212,6 +212,46 @@ async def test_early_close_and_cancel_free_the_slot(served):
     assert (await collect(backend, request("e3", prompt, 3)))[-1].finish_reason == "length"
 
 
+async def test_slot_bookkeeping_returns_to_idle_after_cancels_and_early_closes(tmp_path):
+    """Ten requests on two slots, some cancelled while queued, some closed after their first chunk, some run out:
+    afterwards no slot is held, no request counts as unplaced or as named-not-started (a leak would stop Pulse
+    naming slots, or hold every request with no slot), and a named pick works again."""
+    backend = make_backend(tmp_path, slots=2)
+    await backend.start()
+    lane = backend.lanes[0]
+    prompt = encode(PROMPT)
+
+    async def one(i: int) -> str:
+        gen = backend.generate(request(f"k{i}", prompt, 40, ignore_eos=True))
+        try:
+            async for c in gen:
+                if i % 3 == 1:  # closed after its first chunk
+                    return "closed"
+                if c.finish_reason is not None:
+                    return c.finish_reason
+        finally:
+            await gen.aclose()
+        return "ended"
+
+    async def cancel_later(i: int, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        await backend.cancel(f"k{i}")
+    try:
+        tasks = [asyncio.create_task(one(i)) for i in range(10)]
+        # k0 goes to a named slot and is cancelled before its first event; k8 waits with no slot
+        await asyncio.gather(cancel_later(0, 0.0), cancel_later(2, 0.05), cancel_later(5, 0.3), cancel_later(8, 0.0))
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert {outcomes[i] for i in (1, 4, 7)} == {"closed"} and outcomes[0] == "cancelled"
+        assert set(outcomes) <= {"closed", "cancelled", "length"} and "length" in outcomes
+        assert backend.stats().running == 0
+        assert lane.slots.unplaced == 0 and lane.slots.named == 0
+        assert all(s.holders == 0 and not s.busy for s in lane.slots.slots)
+        assert lane.slots.choose(prompt) is not None
+        assert (await collect(backend, request("after", prompt, 3)))[-1].finish_reason == "length"
+    finally:
+        await backend.close()
+
+
 async def test_stats_and_health(served):
     backend, _ = served
     s = backend.stats()
