@@ -9,11 +9,11 @@
 
 `enter` calls `route()` (route + look up the target's load), asks `admit`, and while the answer is
 "queue" it waits in `FairOrder` (priority, then turns across tenants, then arrival) until `leave()`
-frees capacity, the poll
-interval passes (other gateways' requests finish too), or the deadline passes (then the 429 from
-`expired`). Each wake of the head calls `route()` again, so a queued request may go to whichever worker freed
-up; a waiter behind it calls `recheck()` where given (dispatch: its last routing's target, no new decision).
-Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
+frees capacity, `wake()` says the workers' stats were polled (other gateways' requests finish too; the
+gateway's WorkerPool polls fast only while `needs_stats()`), its timer passes, or the deadline passes (then
+the 429 from `expired`). Each wake of the head calls `route()` again, so a queued request may go to whichever
+worker freed up; a waiter behind it calls `recheck()` where given (dispatch: its last routing's target, no new
+decision). Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from policy.admission import DrainRate, FairOrder, admit, expired
+from policy.admission import DrainRate, FairOrder, admit, expired, waits_on_stats
 from policy.config import AdmissionConfig
 from policy.types import AdmissionDecision, AdmissionRequest, QueueState, WorkerLoad
 
@@ -34,15 +34,22 @@ POLL_SLOWER_PER = 8  # ... unless poll_s x (1 + ahead // this) is longer (a queu
 
 
 class AdmissionGate:
-    def __init__(self, cfg: AdmissionConfig, *, poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: AdmissionConfig, *, poll_s: float = 0.05, head_poll_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`head_poll_s`: how long the head waits unwoken before it re-routes (None: `poll_s`); where the stats
+        poll wakes it (`wake`, WorkerPool.on_polled), the poll's plain interval is enough."""
         self.cfg = cfg
         self.poll_s = poll_s
+        self.head_poll_s = poll_s if head_poll_s is None else head_poll_s
         self._clock = clock
         self._drain = DrainRate()
         # heap of (-priority, fair start tag, arrival, wake-up, tenant): the first three order it
         self._waiters: list[tuple[int, float, int, asyncio.Event, str]] = []
         self._order = itertools.count()
         self._fair = FairOrder()
+        # (the head, whether it waits for what only the workers' next stats show: policy.admission.waits_on_stats)
+        # as of its last check; a head that has not checked since it became the head is taken to
+        self._head_waits: tuple[object, bool] = (None, True)
 
     @property
     def depth(self) -> int:
@@ -54,8 +61,21 @@ class AdmissionGate:
     def leave(self) -> None:
         """A request finished (or was handed to its worker's own queue): wake the head of the queue."""
         self._drain.record(self._clock())
+        self.wake()
+
+    def wake(self) -> None:
+        """The head of the queue re-checks now (a request left, or the workers' stats were polled)."""
         if self._waiters:
             self._waiters[0][3].set()
+
+    def needs_stats(self) -> bool:
+        """Whether requests wait for what only the workers' next stats can show (WorkerPool.poll_delay polls fast
+        then): a place another gateway's request holds, KV the worker frees, a refusal to clear. A head that
+        waits only for places this gateway's own requests hold is woken by `leave` when one ends."""
+        if not self._waiters:
+            return False
+        head, waits = self._head_waits
+        return waits or head is not self._waiters[0]
 
     async def enter(self, route: Route, priority: int = 0, tenant: str = "", recheck: Route | None = None
                     ) -> AdmissionDecision:
@@ -70,6 +90,8 @@ class AdmissionGate:
             self._settle(entry, decision)
             return decision
         heapq.heappush(self._waiters, entry)
+        if self._waiters[0] is entry:
+            self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
         self._drain.busy(self._clock(), True)
         deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
@@ -90,7 +112,7 @@ class AdmissionGate:
             self._fair.withdrawn(entry[:2], entry[4])
 
     async def _wait(self, entry, route: Route, deadline: float, recheck: Route | None) -> AdmissionDecision:
-        poll = self.poll_s
+        poll = self.head_poll_s if self._waiters[0] is entry else self.poll_s
         while True:
             left = deadline - self._clock()
             if left <= 0:
@@ -110,7 +132,9 @@ class AdmissionGate:
                 decision = admit(target, request, state, self.cfg)
             if decision.action != "queue":
                 return decision
-            poll = recheck_s(self.poll_s, state.depth)
+            if not behind and self._waiters[0] is entry:
+                self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
+            poll = self.head_poll_s if state.depth == 0 else recheck_s(self.poll_s, state.depth)
 
     def _state(self, ahead_of) -> QueueState:
         """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""

@@ -71,8 +71,11 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     tracer = QuietTracer(provider.get_tracer("pulse.gateway"))  # no child spans when not recorded
     metrics = GatewayMetrics(worker_snapshots=lambda: {w.worker_id: w.stats for w in pool.workers.values()})
     router = PrefixRouter(index, config.routing, replicas_share=(config.server.gateway_replicas or 1) > 1)
-    gate = AdmissionGate(config.admission)
+    # the head of the queue re-checks when a request leaves and after each stats poll (the only news it can wait
+    # for), so its own timer is a fallback at the plain poll interval
+    gate = AdmissionGate(config.admission, head_poll_s=pool.poll_interval_s)
     pool.queue_depth = lambda: gate.depth  # the workers hear it: replicas share their places by demand
+    pool.queue_needs_stats, pool.on_polled = gate.needs_stats, gate.wake  # fast polls only while the queue needs them
     dispatcher = Dispatcher(pool, router, gate, metrics,
                             tracer, context_length=models.default.context_length, index=index)
     auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,

@@ -121,6 +121,10 @@ class WorkerPool:
         # whoever owns the queue): each poll tells the workers, so that replicas share their places by demand
         self.gateway_id = secrets.token_hex(8)
         self.queue_depth: Callable[[], int] = lambda: 0
+        # whether this gateway's queue waits for what only the workers' next stats show (set by whoever owns the
+        # queue: AdmissionGate.needs_stats); unset: whenever anything waits in it
+        self.queue_needs_stats: Callable[[], bool] = lambda: self.queue_depth() > 0
+        self.on_polled: Callable[[], None] = lambda: None  # after each stats poll (the queue's head re-checks)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True,
@@ -156,19 +160,29 @@ class WorkerPool:
                 await self.poll_once(blocks=pull)
                 if pull:
                     blocks_due = now + self._poll_interval
+                self.on_polled()
             except Exception:  # the poller must outlive any one bad reading
                 log.exception("worker poll failed")
 
+    @property
+    def poll_interval_s(self) -> float:
+        return self._poll_interval
+
     def poll_delay(self) -> float:
-        """Seconds until the next stats poll: `busy_poll_s` while requests wait in an admission queue (this
-        gateway's, or another replica's as the workers last said) or a worker refused one since its last poll,
-        else `poll_interval_s`. While requests wait, a place freed by another replica's request, or left free by
-        this one over its share (policy.admission.over_share), is seen only at this gateway's next poll: at the
-        plain 0.5 s the workers' places stood partly empty past saturation (the load-test backend on the 2-core
-        box, 64 places + 32 queued and 400 clients over 4 replicas: 205 req/s against 216 at 0.05 s; BENCHMARKS.md,
-        issue 25). Idle, a gateway polls at the plain interval."""
-        busy = self.queue_depth() > 0 or any(w.refused or w.stats.gateways_waiting > 0
-                                             for w in self.workers.values())
+        """Seconds until the next stats poll: `busy_poll_s` while requests wait for what only the workers' stats
+        show (`queue_needs_stats`: this gateway's queue, when its head waits for a place another replica's
+        request holds, for KV or on a refusal), while other replicas' requests wait (as the workers last said), or
+        when a worker refused one since its last poll; else `poll_interval_s`. While requests wait, a place freed
+        by another replica's request, or left free by this one over its share (policy.admission.over_share), is
+        seen only at this gateway's next poll: at the plain 0.5 s the workers' places stood partly empty past
+        saturation (the load-test backend on the 2-core box, 64 places + 32 queued and 400 clients over 4
+        replicas: 205 req/s against 216 at 0.05 s; BENCHMARKS.md, issue 25). A queue that waits only for places
+        this gateway's own requests hold is woken by their ends (AdmissionGate.leave), so polling for it was
+        waste: on the 2-core box, 32 clients on llama-server's 4 slots, the busy poll cost 1.1% of a core in the
+        gateway and 0.8% in the worker, CPU taken from llama-server. Idle, a gateway polls at the plain
+        interval."""
+        busy = self.queue_needs_stats() or any(w.refused or w.stats.gateways_waiting > 0
+                                                for w in self.workers.values())
         return self._busy_poll if busy else self._poll_interval
 
     async def poll_once(self, blocks: bool = True) -> None:

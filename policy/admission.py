@@ -144,6 +144,19 @@ def _fits_now(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: Ad
     return free is None or kv_tokens_needed(request, max_tokens, cfg) <= free
 
 
+def waits_on_stats(w: WorkerLoad | None, request: AdmissionRequest, cfg: AdmissionConfig) -> bool:
+    """Whether a request `admit` queued for `w` waits for what only the worker's next stats can show: a place
+    held by a request that is not this gateway's (another replica shares the worker, or the worker still counts
+    requests this gateway does not), a refusal that only a poll clears, or KV the worker frees (its used blocks
+    come with its stats). False: it waits only for places this gateway's own requests hold, and the end of any
+    of them re-checks it at once (the gateway's AdmissionGate.leave), so polling the worker for it is waste."""
+    if w is None or not w.healthy or w.refused or w.other_gateways > 0 or w.gateways_waiting > 0 \
+            or w.active > w.inflight:
+        return True
+    free = w.kv_free_tokens
+    return free is not None and kv_tokens_needed(request, _effective_max_tokens(request, cfg), cfg) > free
+
+
 def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
     """Whether this gateway already holds its share of the worker's places while other gateways have requests
     waiting for them: then a place it frees is left to them (they see it at their next stats poll).

@@ -215,6 +215,13 @@ async def test_a_gateway_polls_fast_while_requests_wait_anywhere(worker):
         assert a.workers["w0"].last_seen == seen  # idle: no poll before the plain interval
         a.workers["w0"].refused = True  # the worker said no since the last poll: find out soon when it has room
         assert a.poll_delay() == 0.05
+        a.workers["w0"].refused = False
+        waiting = 4
+        b.queue_needs_stats = lambda: False  # b's queue waits only for places its own requests hold
+        await b.poll_once()
+        await a.poll_once()
+        assert b.poll_delay() == 30  # their ends wake it: no need to ask the worker
+        assert a.poll_delay() == 0.05  # a still hears of b's queue through the worker, and shares the places
     finally:
         await a.close()
         await b.close()

@@ -5,7 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.admission import DrainRate, admit, expired, kv_tokens_needed, over_share, retry_after, worker_queue
+from policy.admission import (
+    DrainRate,
+    admit,
+    expired,
+    kv_tokens_needed,
+    over_share,
+    retry_after,
+    waits_on_stats,
+    worker_queue,
+)
 from policy.config import AdmissionConfig
 from policy.types import AdmissionRequest, QueueState, WorkerLoad
 
@@ -122,6 +131,26 @@ def test_a_worker_that_holds_a_queue_is_sent_that_many_beyond_its_slots():
     assert admit(deep, A(), Q(), cfg).action == "admit"  # 11 of 4 + 8
     assert admit(plain, A(), Q(), cfg).action == "queue"  # 11 past 4 + 4
     assert admit(W(total=0, running=4, waiting=8, slots=4, queue_max=8), A(), Q(), cfg).action == "queue"
+
+
+@pytest.mark.parametrize("name, target, want", [
+    # this gateway holds every request the worker has: the end of one re-checks the queue, no poll needed
+    ("own places", W(total=0, running=4, waiting=2, slots=4, inflight=6, polled_inflight=6), False),
+    ("own places, KV to spare", W(running=4, waiting=2, slots=4, used=10, inflight=6, polled_inflight=6), False),
+    # what only the worker's next stats show
+    ("KV it frees", W(running=2, slots=4, used=95, inflight=2, polled_inflight=2), True),
+    ("another replica shares it", W(total=0, running=6, slots=4, inflight=6, polled_inflight=6, other_gateways=1),
+     True),
+    ("another replica's queue", W(total=0, running=6, slots=4, inflight=6, polled_inflight=6, gateways_waiting=3),
+     True),
+    ("requests not its own", W(total=0, running=6, slots=4, inflight=4, polled_inflight=4), True),
+    ("it refused", W(total=0, running=2, slots=4, inflight=2, polled_inflight=2, refused=True), True),
+])
+def test_a_queued_request_waits_on_the_stats_only_for_what_they_alone_show(name, target, want):
+    cfg = AdmissionConfig(queue_max=10, worker_queue_max=2)
+    assert admit(target, A(ctx=0), Q(), cfg).action == "queue", name
+    assert waits_on_stats(target, A(ctx=0), cfg) is want, name
+    assert waits_on_stats(None, A(ctx=0), cfg)
 
 
 def test_overflow_messages_say_by_how_much():

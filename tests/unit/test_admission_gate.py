@@ -205,3 +205,35 @@ async def test_waiters_behind_the_head_re_check_without_routing_and_are_still_re
     for t in waiters:
         t.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_head_waiting_for_its_own_places_asks_for_no_stats_and_the_poll_wakes_one_that_does():
+    """The head of the queue says whether it waits for what only the workers' next stats show (the gateway polls
+    fast only then): not when the places it waits for are this gateway's own requests, whose ends wake it; yes
+    when another replica's requests hold them. After a poll (`wake`) the head re-checks at once, not after its own
+    timer (here 10 s)."""
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=10, queue_deadline_s=30), poll_s=10,
+                         head_poll_s=10)
+    worker, order = Worker(slots=1), []
+    assert not gate.needs_stats()  # nothing waits
+    hog = asyncio.create_task(serve(gate, worker, order, "hog", hold_s=0.2))
+    await asyncio.sleep(0.01)
+    own = asyncio.create_task(serve(gate, worker, order, "own"))
+    await asyncio.sleep(0.01)
+    assert gate.depth == 1 and not gate.needs_stats()  # the hog is this gateway's: its end wakes the head
+    await asyncio.wait_for(asyncio.gather(hog, own), 2.0)  # leave() woke it, long before its 10 s timer
+    assert [n for n, _ in order] == ["hog", "own"] and not gate.needs_stats()
+
+    others = [1]  # a place another gateway's request holds, as the worker's stats said
+
+    async def shared():
+        load = WorkerLoad("w", slots=1, running=others[0], inflight=0, polled_inflight=0, other_gateways=1)
+        return load, AdmissionRequest(10, 10)
+
+    waiter = asyncio.create_task(gate.enter(shared))
+    await asyncio.sleep(0.01)
+    assert gate.depth == 1 and gate.needs_stats()  # only a poll can show that place free
+    others[0] = 0  # the next poll's news
+    gate.wake()
+    d = await asyncio.wait_for(waiter, 1.0)
+    assert d.action == "admit" and gate.depth == 0 and not gate.needs_stats()
