@@ -20,7 +20,9 @@ names), and each variant's direct is also set against variant 0's in the same re
 `--variants '' '--cache-ram 0'` for what llama-server's RAM prompt cache costs under this load; a variant that starts
 with `=` replaces the device profile's llama-server flags instead (`--variants '' '=-fa on --metrics --cache-ram 0 -ub
 512'`: the h200 profile without `--backend-sampling`, which has no negation). `--variant-binaries` gives a variant
-its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags).
+its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags), and
+`--variant-worker-queues` its Pulse's `admission.worker_queue_max` (`--variants '' '' --variant-worker-queues '' 4`:
+requests sent beyond llama-server's slots, waiting in its own queue, against none).
 
     python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
     python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
@@ -73,7 +75,8 @@ def direct_of(name: str) -> str | None:
     return "direct" + tgt[len("pulse"):] + "/" + rest if tgt.startswith("pulse") else None
 
 
-def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None) -> str:
+def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None, worker_queue: int | None = None
+                ) -> str:
     ls = {"log_dir": str(log_dir)}
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
@@ -93,6 +96,8 @@ def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = Non
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
         doc["admission"] = {"queue_deadline_s": args.queue_deadline}
+    if worker_queue is not None:
+        doc.setdefault("admission", {})["worker_queue_max"] = worker_queue
     return json.dumps(doc)  # JSON is YAML
 
 
@@ -213,6 +218,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     "the device profile's flags with FLAGS")
     ap.add_argument("--variant-binaries", nargs="+", default=[], metavar="PATH",
                     help="per variant, in --variants' order, the llama-server it runs ('' or missing: --binary's)")
+    ap.add_argument("--variant-worker-queues", nargs="+", default=[], metavar="N",
+                    help="per variant, in --variants' order, Pulse's admission.worker_queue_max: requests it sends "
+                    "beyond llama-server's slots ('' or missing: what the worker says)")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
@@ -222,6 +230,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if len(args.variant_binaries) > len(args.variants):
         ap.error("--variant-binaries names more binaries than there are --variants")
+    if len(args.variant_worker_queues) > len(args.variants):
+        ap.error("--variant-worker-queues names more queues than there are --variants")
+    if any(q and not q.isdigit() for q in args.variant_worker_queues):
+        ap.error("--variant-worker-queues takes whole numbers or ''")
     return args
 
 
@@ -237,14 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             vdir = log_dir / f"v{v}" if len(args.variants) > 1 else log_dir
             vdir.mkdir(parents=True, exist_ok=True)
             binary = args.variant_binaries[v] if v < len(args.variant_binaries) else None
-            pulse, pulse_url, llama_pid, llama_port = start_pulse(config_yaml(args, vdir, flags, binary), vdir, procs,
-                                                                  args.start_timeout)
+            queue = args.variant_worker_queues[v] if v < len(args.variant_worker_queues) else ""
+            config = config_yaml(args, vdir, flags, binary, int(queue) if queue else None)
+            pulse, pulse_url, llama_pid, llama_port = start_pulse(config, vdir, procs, args.start_timeout)
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
             vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)
             cells |= vcells
             runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir)
                      for name, s in vcells.items()}
-            servers.append((v, flags, llama_pid, vdir))
+            servers.append((v, flags + (f" [worker_queue_max {queue}]" if queue else ""), llama_pid, vdir))
         # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
         records, cut = protocol.run_to_limit(runs, args.repeats, args.warmup, not args.quiet, args.loop)
         interrupted = [f"{cut}: cells with no measured run are missing"] if cut else []

@@ -71,6 +71,13 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
         "binary"] == "/opt/up/llama-server"
     with pytest.raises(SystemExit):
         _parse(["--variants", "", "--variant-binaries", "/a", "/b"])
+    # a variant's own admission.worker_queue_max (--variant-worker-queues): none set unless given, 0 kept as 0
+    assert "worker_queue_max" not in json.loads(config_yaml(args, Path("/tmp"), "")).get("admission", {})
+    assert json.loads(config_yaml(args, Path("/tmp"), "", None, 0))["admission"]["worker_queue_max"] == 0
+    assert _parse(["--variants", "", "", "--variant-worker-queues", "", "0"]).variant_worker_queues == ["", "0"]
+    for bad in (["--variant-worker-queues", "1", "2"], ["--variants", "", "", "--variant-worker-queues", "x"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
     records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
                rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
                rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),
