@@ -214,8 +214,8 @@ async def test_early_close_and_cancel_free_the_slot(served):
 
 async def test_slot_bookkeeping_returns_to_idle_after_cancels_and_early_closes(tmp_path):
     """Ten requests on two slots, some cancelled while queued, some closed after their first chunk, some run out:
-    afterwards no slot is held, no request counts as unplaced or as named-not-started (a leak would stop Pulse
-    naming slots, or hold every request with no slot), and a named pick works again."""
+    afterwards no slot is held, no request counts as unplaced, as named-not-started or as launching (a leak would
+    stop Pulse naming slots, or hold every request with no slot), and a named pick works again."""
     backend = make_backend(tmp_path, slots=2)
     await backend.start()
     lane = backend.lanes[0]
@@ -244,7 +244,7 @@ async def test_slot_bookkeeping_returns_to_idle_after_cancels_and_early_closes(t
         assert {outcomes[i] for i in (1, 4, 7)} == {"closed"} and outcomes[0] == "cancelled"
         assert set(outcomes) <= {"closed", "cancelled", "length"} and "length" in outcomes
         assert backend.stats().running == 0
-        assert lane.slots.unplaced == 0 and lane.slots.named == 0
+        assert lane.slots.unplaced == 0 and lane.slots.named == 0 and lane.slots.launching == 0
         assert all(s.holders == 0 and not s.busy for s in lane.slots.slots)
         assert lane.slots.choose(prompt) is not None
         assert (await collect(backend, request("after", prompt, 3)))[-1].finish_reason == "length"

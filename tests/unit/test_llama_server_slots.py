@@ -151,3 +151,41 @@ async def test_a_request_with_no_slot_waits_for_named_ones_sent_before_it_to_sta
     t0 = time.monotonic()
     await t.named_ahead(hold_s=0.05)  # never started (a long prefill): held no longer than hold_s
     assert 0.04 < time.monotonic() - t0 < 1
+
+
+async def test_a_request_sent_beyond_the_slots_waits_for_those_sent_to_free_ones_to_be_placed():
+    """When the gateway hands over more requests than free slots, the ones sent while a slot was free must reach
+    llama-server first: one sent beyond the slots would otherwise take a free slot and leave an older request to
+    llama-server's deferred list for a whole generation. Those sent to free slots themselves do not wait."""
+    import asyncio
+    import time
+
+    t, _ = table(2)
+    t.sent_unplaced()  # a slot was free
+    t.sent_unplaced()
+    t0 = time.monotonic()
+    await t.named_ahead(hold_s=5)  # sent to a free slot too: it does not wait for the others
+    assert time.monotonic() - t0 < 0.05
+    t.sent_unplaced(beyond=True)
+    waiter = asyncio.create_task(t.named_ahead(hold_s=5, beyond=True))
+    await asyncio.sleep(0.02)
+    t.placed()
+    await asyncio.sleep(0.02)
+    assert not waiter.done()  # one sent to a free slot is not placed yet
+    t.placed(beyond=True)  # another one beyond the slots being placed changes nothing
+    await asyncio.sleep(0.02)
+    assert not waiter.done() and t.launching == 1
+    t.placed()
+    await asyncio.wait_for(waiter, 1)
+    assert t.launching == 0 and t.unplaced == 0
+    t.sent_unplaced()
+    t0 = time.monotonic()
+    await t.named_ahead(hold_s=0.05, beyond=True)  # never placed (deferred after all): held no longer than hold_s
+    assert 0.04 < time.monotonic() - t0 < 1
+    t.placed()
+    t.sent_named()  # a named one ahead holds it too, as before
+    waiter = asyncio.create_task(t.named_ahead(hold_s=5, beyond=True))
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    t.started()
+    await asyncio.wait_for(waiter, 1)

@@ -139,20 +139,22 @@ class LlamaServerBackend(Backend):
         # slots.py: a request sent to a named slot counts as such until its first event; one with no slot makes
         # Pulse name none for others until its first event says which llama-server chose
         named = slot is not None
+        # every slot has a request already: this one will wait in llama-server's own queue (slots.py)
+        beyond = lane.running >= len(lane.slots.slots)
         if named:
             ticket = lane.slots.acquire(slot, prompt, hashes)
             lane.slots.sent_named()
         else:
             ticket = -1
-            lane.slots.sent_unplaced()
+            lane.slots.sent_unplaced(beyond)
         flight = self._flights[request.request_id] = _Flight(lane)
         lane.running += 1
         generated: list[int] = []
         stop_ids = set(request.stop_token_ids)
         started = failed = False
         try:
-            if not named:  # after the named requests sent before it, which it could overtake on the way
-                await lane.slots.named_ahead()
+            if not named:  # after the requests sent before it that it could overtake on the way (slots.py)
+                await lane.slots.named_ahead(beyond=beyond)
             resp = await self._open(lane, request, slot, flight)
             while True:
                 ev = await self._next_event(resp)
@@ -163,7 +165,7 @@ class LlamaServerBackend(Backend):
                 if slot is None and ev.id_slot >= 0:  # llama-server chose the slot: now we know which
                     slot = ev.id_slot
                     ticket = lane.slots.acquire(slot, prompt)
-                    lane.slots.placed()
+                    lane.slots.placed(beyond)
                 if ev.error is not None:
                     raise ConnectionError(f"llama-server error: {ev.error.get('message', ev.error)}")
                 if stop_ids and (cut := _stop_cut(ev.tokens, stop_ids)) is not None:
@@ -204,7 +206,7 @@ class LlamaServerBackend(Backend):
             if named:  # ended before it started
                 lane.slots.started()
             if ticket < 0:  # ended before llama-server named its slot
-                lane.slots.placed()
+                lane.slots.placed(beyond)
             if slot is not None:
                 lane.slots.release(slot, ticket, generated, failed)
                 if self.checkpoints is not None and lane.checkpoints and not failed:

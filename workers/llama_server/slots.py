@@ -23,6 +23,15 @@ first event), at most `NAMED_HOLD_S`: by then a named request has long reached l
 It is held only when every slot was busy, so it would queue in llama-server anyway; a named request it overtook
 waits out a whole generation (an H100 machine, 16 slots, 32 clients at temperature 1: one deferred pick in a run of
 64 requests whose TTFT p99 was 6.7 s over direct's, a generation being ~6.5 s there).
+
+The same race across the hand-over from the gateway's queue: when a wave of generations ends, the gateway sends
+the worker many requests at once, more than the slots left free. Those sent while a slot was free expect to launch;
+those sent beyond the slots (every slot has a request) wait in llama-server's own deferred list, which it pops one
+request per slot released. Over separate connections one of the newest could reach a free slot first and leave one
+of the oldest, already long in the gateway's queue, to the deferred list for a whole generation more: a TTFT p99
+1.3-2x direct's at 32-64 clients on 16 slots (an H100 machine and the 2-core box, 2026-12-06), where llama-server
+called directly keeps arrival order in its one list. So a request sent beyond the slots is also held until the ones
+sent with no slot before it to a free one are placed, within the same `NAMED_HOLD_S`: it waits for a release anyway.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from dataclasses import dataclass, field
 from cache.hashing import ROOT_HASH, block_hash, chain_hashes
 from workers.protocol import BlockEvent, BlockSink
 
-NAMED_HOLD_S = 0.1  # the longest a request with no slot waits for named ones sent before it to start
+NAMED_HOLD_S = 0.1  # the longest a request with no slot waits for the ones sent before it that it could overtake
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -76,6 +85,9 @@ class SlotTable:
         self.named = 0  # requests sent to a named slot that have not started yet (`sent_named`, `started`)
         self._named_started = asyncio.Event()
         self._named_started.set()
+        self.launching = 0  # of the unplaced, those sent while a slot was free (`sent_unplaced(beyond=False)`)
+        self._launched = asyncio.Event()
+        self._launched.set()
         self._tickets = itertools.count(1)
         self._valid_from = 0  # tickets below this were issued before the last reset
 
@@ -101,13 +113,23 @@ class SlotTable:
         idle = [s for s in self.slots if not s.busy]
         return min(idle, key=lambda s: s.last_used).index if idle else None
 
-    def sent_unplaced(self) -> None:
-        """A request went to llama-server with no slot: until `placed`, no slot is chosen for others."""
+    def sent_unplaced(self, beyond: bool = False) -> None:
+        """A request went to llama-server with no slot: until `placed`, no slot is chosen for others. `beyond`:
+        every slot had a request already, so it waits in llama-server's own queue; one sent while a slot was free
+        expects to launch at once, and until it is placed requests sent beyond the slots are held (`named_ahead`)."""
         self.unplaced += 1
+        if not beyond:
+            self.launching += 1
+            self._launched.clear()
 
-    def placed(self) -> None:
-        """A request sent with no slot got one (its first event named it), or ended without one."""
+    def placed(self, beyond: bool = False) -> None:
+        """A request sent with no slot (`beyond`, as it was sent) got one (its first event named it), or ended
+        without one."""
         self.unplaced = max(0, self.unplaced - 1)
+        if not beyond:
+            self.launching = max(0, self.launching - 1)
+            if not self.launching:
+                self._launched.set()
 
     def sent_named(self) -> None:
         """A request goes to the slot `choose` named: until `started`, requests with no slot are held."""
@@ -120,13 +142,22 @@ class SlotTable:
         if not self.named:
             self._named_started.set()
 
-    async def named_ahead(self, hold_s: float = NAMED_HOLD_S) -> None:
-        """Wait until every request sent to a named slot has started, at most `hold_s`."""
-        if self.named:
-            try:
-                await asyncio.wait_for(self._named_started.wait(), hold_s)
-            except asyncio.TimeoutError:
-                pass
+    async def named_ahead(self, hold_s: float = NAMED_HOLD_S, beyond: bool = False) -> None:
+        """Wait until every request sent to a named slot has started and, for a request sent `beyond` the slots,
+        every one sent with no slot to a free slot has been placed: at most `hold_s` in all."""
+        if not (self.named or (beyond and self.launching)):
+            return
+
+        async def ahead_gone() -> None:
+            while self.named or (beyond and self.launching):
+                await self._named_started.wait()
+                if beyond:
+                    await self._launched.wait()
+
+        try:
+            await asyncio.wait_for(ahead_gone(), hold_s)
+        except asyncio.TimeoutError:
+            pass
 
     def acquire(self, index: int, prompt: list[int], hashes: list[int] | None = None) -> int:
         """Slot `index` now runs `prompt` (`hashes`: its chain hashes, if the caller has them); returns the
