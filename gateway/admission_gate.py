@@ -48,7 +48,7 @@ class AdmissionGate:
         self._order = itertools.count()
         self._fair = FairOrder()
         # (the head, whether it waits for what only the workers' next stats show: policy.admission.waits_on_stats)
-        # as of its last check; a head that has not checked since it became the head is taken to
+        # as of its last check; a head that has not checked since it became the head is taken to wait on them
         self._head_waits: tuple[object, bool] = (None, True)
 
     @property

@@ -28,10 +28,12 @@ The same race across the hand-over from the gateway's queue: when a wave of gene
 the worker many requests at once, more than the slots left free. Those sent while a slot was free expect to launch;
 those sent beyond the slots (every slot has a request) wait in llama-server's own deferred list, which it pops one
 request per slot released. Over separate connections one of the newest could reach a free slot first and leave one
-of the oldest, already long in the gateway's queue, to the deferred list for a whole generation more: a TTFT p99
-1.3-2x direct's at 32-64 clients on 16 slots (an H100 machine and the 2-core box, 2026-12-06), where llama-server
-called directly keeps arrival order in its one list. So a request sent beyond the slots is also held until the ones
-sent with no slot before it to a free one are placed, within the same `NAMED_HOLD_S`: it waits for a release anyway.
+of the oldest, already long in the gateway's queue, to the deferred list for a whole generation more (read in
+llama-server's log on the 2-core box, 16 slots, 32 clients: a TTFT of 6.9 s against a p90 of 4.4 s), where
+llama-server called directly keeps arrival order in its one list. So a request sent beyond the slots is also held
+until the ones sent with no slot before it to a free one are placed, within the same `NAMED_HOLD_S`: it waits for a
+release anyway. (A TTFT p99 tail of ~2x direct's at 32-64 clients on an H100 machine outlived this hold: its cause
+is not known yet; BENCHMARKS.md, issue 18.)
 """
 from __future__ import annotations
 
