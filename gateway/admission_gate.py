@@ -117,12 +117,14 @@ class AdmissionGate:
             left = deadline - self._clock()
             if left <= 0:
                 return expired(self._state(ahead_of=None), self.cfg)
-            entry[3].clear()
             try:
                 async with asyncio.timeout(min(left, poll)):
                     await entry[3].wait()
             except TimeoutError:
                 pass
+            # cleared before routing, not before the next wait: a request that leaves (or a poll) while this one
+            # routes wakes it again at once; cleared after, that news was lost until the timer (up to head_poll_s)
+            entry[3].clear()
             behind = recheck is not None and bool(self._waiters) and self._waiters[0] is not entry
             target, request = await (recheck() if behind else route())
             state = self._state(ahead_of=entry)

@@ -237,3 +237,31 @@ async def test_a_head_waiting_for_its_own_places_asks_for_no_stats_and_the_poll_
     gate.wake()
     d = await asyncio.wait_for(waiter, 1.0)
     assert d.action == "admit" and gate.depth == 0 and not gate.needs_stats()
+
+
+async def test_a_place_freed_while_the_head_routes_is_not_lost():
+    """The head routes (an await: the prefix index, the loads) on the state before a request leaves; the leave()
+    during that routing must wake it again at once, not after its timer (10 s here)."""
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=10, queue_deadline_s=30), poll_s=10,
+                         head_poll_s=10)
+    worker = Worker(slots=1)
+    worker.running = 1
+    routing = asyncio.Event()
+
+    async def slow_route():
+        load = WorkerLoad("w", slots=1, inflight=worker.running)  # read before the await, as routing does
+        routing.set()
+        await asyncio.sleep(0.05)
+        return load, AdmissionRequest(10, 10)
+
+    waiter = asyncio.create_task(gate.enter(slow_route))
+    await asyncio.wait_for(routing.wait(), 1)  # the first routing: full, it queues
+    await asyncio.sleep(0.1)
+    assert gate.depth == 1
+    routing.clear()
+    gate.wake()  # a poll: the head re-routes ...
+    await asyncio.wait_for(routing.wait(), 1)
+    worker.running = 0  # ... and while it does, the request holding the place ends
+    gate.leave()
+    d = await asyncio.wait_for(waiter, 2.0)
+    assert d.action == "admit"
