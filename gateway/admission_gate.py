@@ -90,8 +90,7 @@ class AdmissionGate:
             self._settle(entry, decision)
             return decision
         heapq.heappush(self._waiters, entry)
-        if self._waiters[0] is entry:
-            self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
+        self._note_head(entry, target, request)
         self._drain.busy(self._clock(), True)
         deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
@@ -134,9 +133,13 @@ class AdmissionGate:
                 decision = admit(target, request, state, self.cfg)
             if decision.action != "queue":
                 return decision
-            if not behind and self._waiters[0] is entry:
-                self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
+            self._note_head(entry, target, request)
             poll = self.head_poll_s if state.depth == 0 else recheck_s(self.poll_s, state.depth)
+
+    def _note_head(self, entry, target: WorkerLoad | None, request: AdmissionRequest) -> None:
+        """`entry` was just queued (again) on `target`'s load: if it is the head, whether it waits on the stats."""
+        if self._waiters[0] is entry:
+            self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
 
     def _state(self, ahead_of) -> QueueState:
         """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""

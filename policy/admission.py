@@ -140,6 +140,12 @@ def worker_queue(w: WorkerLoad, cfg: AdmissionConfig) -> int:
 def _fits_now(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> bool:
     if w.refused or w.active >= w.slots + worker_queue(w, cfg):
         return False
+    return _kv_fits(w, request, max_tokens, cfg)
+
+
+def _kv_fits(w: WorkerLoad, request: AdmissionRequest, max_tokens: int, cfg: AdmissionConfig) -> bool:
+    """The worker's free KV (as its stats said, less this gateway's reservations) holds the request's new tokens;
+    True when the worker reports no KV."""
     free = w.kv_free_tokens
     return free is None or kv_tokens_needed(request, max_tokens, cfg) <= free
 
@@ -153,8 +159,7 @@ def waits_on_stats(w: WorkerLoad | None, request: AdmissionRequest, cfg: Admissi
     if w is None or not w.healthy or w.refused or w.other_gateways > 0 or w.gateways_waiting > 0 \
             or w.active > w.inflight:
         return True
-    free = w.kv_free_tokens
-    return free is not None and kv_tokens_needed(request, _effective_max_tokens(request, cfg), cfg) > free
+    return not _kv_fits(w, request, _effective_max_tokens(request, cfg), cfg)
 
 
 def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
