@@ -77,12 +77,17 @@ class AdmissionGate:
         head, waits = self._head_waits
         return waits or head is not self._waiters[0]
 
-    async def enter(self, route: Route, priority: int = 0, tenant: str = "", recheck: Route | None = None
-                    ) -> AdmissionDecision:
+    def now(self) -> float:
+        return self._clock()
+
+    async def enter(self, route: Route, priority: int = 0, tenant: str = "", recheck: Route | None = None,
+                    *, since: float | None = None) -> AdmissionDecision:
         """`tenant`: who the request is charged to for fairness (the API key's id; "" when open). `recheck`: what a
         waiter behind the head calls instead of `route` (the last routing's target with what it now knows of its
         health, no new decision): such a waiter cannot be admitted, only refused early, so a whole routing
-        decision (the prompt's hashes, the index, every worker's load) each time it re-checks is wasted work."""
+        decision (the prompt's hashes, the index, every worker's load) each time it re-checks is wasted work.
+        `since`: when the request first entered (`now()`), for one back from a worker's refusal: its deadline
+        runs from then, not from now."""
         target, request = await route()
         entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant)
         decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
@@ -92,7 +97,7 @@ class AdmissionGate:
         heapq.heappush(self._waiters, entry)
         self._note_head(entry, target, request)
         self._drain.busy(self._clock(), True)
-        deadline = self._clock() + (decision.deadline_s or self.cfg.queue_deadline_s)
+        deadline = (self._clock() if since is None else since) + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
         try:
             decision = await self._wait(entry, route, deadline, recheck)
@@ -140,6 +145,9 @@ class AdmissionGate:
         """`entry` was just queued (again) on `target`'s load: if it is the head, whether it waits on the stats."""
         if self._waiters[0] is entry:
             self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
+
+    def queue_state(self) -> QueueState:
+        return self._state(ahead_of=None)
 
     def _state(self, ahead_of) -> QueueState:
         """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.errors import APIError
 from gateway.pool import WorkerPool, WorkerState, iter_batches
+from policy.admission import expired
 from policy.types import AdmissionRequest
 from workers.protocol import BackendError, Chunk, GenerateRequest
 from workers.protocol import telemetry as tm
@@ -50,8 +51,10 @@ class Dispatcher:
         """`exclude`: worker ids not to send it to (a migrated request's failed workers: gateway/migration.py)."""
         tried: set[str] = set(exclude)
         last: BackendError | None = None
-        for _ in range(self.max_retries + 1):
-            routed = await self._admit(gen, tried)
+        since = self.gate.now()  # a request back from a refusal waits only what is left of its queue deadline
+        failures = 0
+        while failures <= self.max_retries:
+            routed = await self._admit(gen, tried, since)
             w = routed.worker
             tried.add(w.worker_id)
             # Before any await, so the next routing decision sees this request: its slot, the prefill it
@@ -77,9 +80,16 @@ class Dispatcher:
                 if e.status == 429 and w.worker_id not in exclude:
                     # full, not gone: counted full until its next poll, so this request waits in the queue for
                     # a place there (or another worker's) instead of running out of workers (that was a 503
-                    # "no healthy worker" from the only worker, under load from two replicas)
+                    # "no healthy worker" from the only worker, under load from two replicas). Not a failure
+                    # either: the gateway's view was stale, and another replica can win the race for the place
+                    # a poll showed free more than max_retries times in a row (two replicas, one flooding: a
+                    # client got the worker's 429 after three refusals, CI); the queue deadline bounds it.
                     w.refused = True
                     tried.discard(w.worker_id)
+                    if self.gate.now() - since < self.gate.cfg.queue_deadline_s:
+                        continue
+                    raise self._rejected(expired(self.gate.queue_state(), self.gate.cfg)) from None
+                failures += 1
                 continue
             except BaseException:
                 w.closed()
@@ -99,7 +109,7 @@ class Dispatcher:
         """The known workers that hold `gen`'s model and are not in `tried`, routable now or not."""
         return [w for w in self.pool.workers.values() if w.worker_id not in tried and holds(w, gen.model)]
 
-    async def _admit(self, gen: GenerateRequest, tried: set[str]):
+    async def _admit(self, gen: GenerateRequest, tried: set[str], since: float | None = None):
         chosen: dict = {}
 
         async def route():
@@ -132,16 +142,18 @@ class Dispatcher:
             return result.load, self._admission_request(gen, result.cached_tokens, w.info.context_length)
 
         with self.tracer.start_as_current_span(tm.SPAN_ADMISSION) as span:
-            decision = await self.gate.enter(route, gen.priority or 0, gen.tenant, recheck)
+            decision = await self.gate.enter(route, gen.priority or 0, gen.tenant, recheck, since=since)
             span.set_attribute(tm.PULSE_ADMISSION_RESULT, decision.action if decision.action == "admit"
                                else (decision.code or decision.action))
         if decision.action != "admit" or not chosen.get("result") or chosen["result"].worker is None:
-            self.metrics.rejected(decision.code or "no_worker")
-            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
-            status = decision.status or 503
-            raise APIError(status, decision.message or "no worker can take this request now",
-                           code=decision.code or "no_healthy_worker", headers=headers)
+            raise self._rejected(decision)
         return chosen["result"]
+
+    def _rejected(self, decision) -> APIError:
+        self.metrics.rejected(decision.code or "no_worker")
+        headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
+        return APIError(decision.status or 503, decision.message or "no worker can take this request now",
+                        code=decision.code or "no_healthy_worker", headers=headers)
 
     def _admission_request(self, gen: GenerateRequest, cached: int, context_length: int = 0) -> AdmissionRequest:
         """`context_length`: the chosen worker's window (its model's); 0: the gateway's default model's."""

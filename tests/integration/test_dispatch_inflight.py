@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from cache.hashing import chain_hashes
 from gateway.admission_gate import AdmissionGate
 from gateway.dispatch import Dispatcher
+from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.router import PrefixRouter, load_of
@@ -173,4 +175,72 @@ async def test_the_polled_share_is_the_peak_in_flight_since_the_poll_before():
         await pool.poll_once()
         assert w.polled_own == 0 and load_of(w).active == 0  # a quiet interval: nothing of ours to subtract
     finally:
+        await stop_dispatch(servers, pool)
+
+
+async def _two_replicas(queue_deadline_s: float = 30.0, tokens_per_s: float = 4.0):
+    """This replica's dispatcher, and another replica's request holding the worker's one place (4 tokens at
+    `tokens_per_s`), which this replica's view (polled before it) does not show."""
+    config = _config(tokens_per_s=tokens_per_s, slots=1)
+    config.admission.queue_deadline_s = queue_deadline_s
+    servers, pool, _index, dispatcher = await start_dispatch(config, n=1)
+    other_pool = WorkerPool(pool._discover, poll_interval_s=30)
+    await other_pool.start()
+    other = Dispatcher(other_pool, PrefixRouter(None, PulseConfig().routing), AdmissionGate(PulseConfig().admission),
+                       GatewayMetrics(CollectorRegistry()), trace.get_tracer("test"), context_length=32768)
+    await pool.poll_once()
+    theirs = await other.open(GenerateRequest(request_id="theirs", prompt_ids=[1, 2, 3], max_tokens=4))
+    return servers, pool, dispatcher, other_pool, other, theirs
+
+
+async def _stale_polls(dispatcher: Dispatcher, w, times: int, task: asyncio.Task) -> int:
+    """Refused, then told by a poll that the place is free (another replica took it again meanwhile), `times`
+    times or until `task` ends; returns how many refusals there were."""
+    refusals = 0
+    while refusals < times and not task.done():
+        await until(lambda: w.refused or task.done())
+        if task.done():
+            break
+        refusals += 1
+        w.refused = False
+        dispatcher.gate.wake()
+    return refusals
+
+
+async def test_a_request_refused_more_times_than_its_retries_waits_on_for_its_place():
+    """A refusal is this replica's stale view, not the worker failing: another replica winning the race for the
+    place a poll showed free more often than max_retries in a row sent the worker's own 429 to the client (CI,
+    tests/integration/test_replica_shares.py). The request waits in the queue until it gets a place."""
+    servers, pool, dispatcher, other_pool, other, theirs = await _two_replicas()
+    (w,) = pool.workers.values()
+    try:
+        ours = asyncio.create_task(dispatcher.open(GenerateRequest(request_id="ours", prompt_ids=[4], max_tokens=4)))
+        assert await _stale_polls(dispatcher, w, dispatcher.max_retries + 3, ours) == dispatcher.max_retries + 3
+        await until(lambda: w.refused)
+        assert not ours.done() and dispatcher.gate.depth == 1
+        await _finish(other, theirs)
+        await pool.poll_once()
+        ticket = await asyncio.wait_for(ours, 5)
+        assert ticket.worker is w
+        await _finish(dispatcher, ticket)
+    finally:
+        await other_pool.close()
+        await stop_dispatch(servers, pool)
+
+
+async def test_refusals_end_at_the_queue_deadline_counted_from_the_first_try():
+    servers, pool, dispatcher, other_pool, other, theirs = await _two_replicas(queue_deadline_s=1.0, tokens_per_s=1.0)
+    (w,) = pool.workers.values()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        ours = asyncio.create_task(dispatcher.open(GenerateRequest(request_id="ours", prompt_ids=[4], max_tokens=4)))
+        assert await _stale_polls(dispatcher, w, 1000, ours) > dispatcher.max_retries + 1
+        with pytest.raises(APIError) as e:
+            await ours
+        took = asyncio.get_running_loop().time() - t0
+        assert e.value.status == 429 and "Waited 1 s in the queue" in e.value.message, e.value.message
+        assert 1.0 <= took < 3.0, took
+        await _finish(other, theirs)
+    finally:
+        await other_pool.close()
         await stop_dispatch(servers, pool)
