@@ -81,6 +81,46 @@ async def test_slot_affinity_picks_the_slot_holding_the_prefix(served):
     assert usage.cached_tokens >= len(a) - 16
 
 
+async def test_a_recorded_request_has_a_llama_server_client_span_with_its_slot_and_timings(served):
+    """docs/METRICS.md's `pulse.llama_server` span: under the worker's span of the request, a CLIENT span with when
+    the request was sent and when llama-server's headers came, the slot Pulse named and the one it ran in, and
+    llama-server's own timings; none when the request's span is not recorded."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    backend, _ = served
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    kept, backend.tracer = backend.tracer, provider.get_tracer("test")
+    prompt = encode("Gamma note: " + "the river runs to the sea. " * 4)
+    try:
+        with provider.get_tracer("test").start_as_current_span("pulse.prefill") as parent:
+            chunks = await collect(backend, request("t1", prompt, max_tokens=3))
+        off = TracerProvider(sampler=ALWAYS_OFF).get_tracer("off")
+        with off.start_as_current_span("pulse.prefill"):
+            await collect(backend, request("t2", prompt, max_tokens=3))
+    finally:
+        backend.tracer = kept
+    spans = [s for s in exporter.get_finished_spans() if s.name == "pulse.llama_server"]
+    assert len(spans) == 1  # the unrecorded request made none
+    (span,) = spans
+    assert span.kind == trace.SpanKind.CLIENT and span.parent.span_id == parent.get_span_context().span_id
+    sent, headers = span.events
+    assert (sent.name, headers.name) == ("pulse.llama_server.sent", "pulse.llama_server.headers")
+    assert span.start_time <= sent.timestamp <= headers.timestamp <= span.end_time
+    a = span.attributes
+    assert a["pulse.llama_server.slot_named"] in (-1, a["pulse.llama_server.slot"])
+    assert 0 <= a["pulse.llama_server.slot"] < len(backend.lanes[0].slots.slots)
+    assert a["pulse.llama_server.beyond_slots"] is False and a["pulse.llama_server.running"] == 0
+    assert a["pulse.llama_server.predicted_n"] == 3 == chunks[-1].usage.completion_tokens
+    assert a["pulse.llama_server.prompt_n"] + a["pulse.llama_server.cache_n"] == len(prompt)
+    assert a["pulse.llama_server.prompt_ms"] > 0 and a["pulse.llama_server.predicted_ms"] > 0
+    assert span.status.is_ok
+
+
 async def test_without_slot_affinity_llama_server_picks_and_pulse_still_tracks_the_slot(tmp_path):
     events = []
     backend = make_backend(tmp_path, sink=events.append, slot_affinity=False)

@@ -130,3 +130,35 @@ async def test_malformed_framing_closes_the_stream():
     with pytest.raises(StreamClosed):
         await s.line(1.0)
     assert t.closed
+
+
+async def test_open_stream_sends_the_extra_headers_with_the_request():
+    """The trace context's `traceparent` goes to llama-server as a header of the POST (a loopback server reads
+    the request as llama-server would get it)."""
+    from workers.llama_server.http import open_stream
+
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0].split(b":")[1])
+        got.set_result((head, await reader.readexactly(length)))
+        writer.write(HEAD + BODY)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        s = await open_stream("127.0.0.1", port, "/completion", b'{"prompt":[1]}', connect_timeout_s=5,
+                              headers={"traceparent": parent})
+        head, body = await asyncio.wait_for(got, 5)
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"POST /completion HTTP/1.1" and f"traceparent: {parent}".encode() in lines
+        assert body == b'{"prompt":[1]}'
+        assert await _lines(s) == EVENTS
+        s.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -29,6 +29,7 @@ from workers.llama_server.checkpointer import Checkpointer
 from workers.llama_server.checkpoints import CheckpointStore
 from workers.llama_server.lane import Lane, build_lanes, choose_lane
 from workers.protocol import Backend, BackendError, BackendStats, Chunk, GenerateRequest, Usage
+from workers.protocol import telemetry as tm
 from workers.protocol.model import cache_root
 
 log = logging.getLogger("pulse.llama_server")
@@ -61,6 +62,7 @@ class LlamaServerBackend(Backend):
         self._done: deque[tuple[float, int, int]] = deque(maxlen=4096)  # (time, generated, prefilled)
         self._closed = False
         self.checkpoints = self._checkpointer(self.cfg.checkpoints)
+        self.tracer = tm.trace.get_tracer("pulse.worker")  # the process's provider (setup_tracing) once it is set
 
     def _checkpointer(self, ck) -> Checkpointer | None:
         if not ck.enabled:
@@ -148,6 +150,7 @@ class LlamaServerBackend(Backend):
             ticket = -1
             lane.slots.sent_unplaced(beyond)
         flight = self._flights[request.request_id] = _Flight(lane)
+        span = self._client_span(lane, slot, beyond)
         lane.running += 1
         generated: list[int] = []
         stop_ids = set(request.stop_token_ids)
@@ -155,7 +158,7 @@ class LlamaServerBackend(Backend):
         try:
             if not named:  # after the requests sent before it that it could overtake on the way (slots.py)
                 await lane.slots.named_ahead(beyond=beyond)
-            resp = await self._open(lane, request, slot, flight)
+            resp = await self._open(lane, request, slot, flight, span)
             while True:
                 ev = await self._next_event(resp)
                 lane.progress_at = time.monotonic()
@@ -178,6 +181,8 @@ class LlamaServerBackend(Backend):
                 logprobs = api.logprobs_of(ev, request.logprobs or 0)
                 if ev.stop:
                     self._record(ev)
+                    if span is not None:
+                        _timings_on(span, ev.timings)
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs,
                                 finish_reason=api.FINISH.get(ev.stop_type, "stop"),
                                 usage=api.usage_of(ev, len(prompt)))
@@ -185,8 +190,10 @@ class LlamaServerBackend(Backend):
                 if ev.content or ev.tokens:
                     started = True
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs)
-        except BackendError:
+        except BackendError as e:
             failed = True
+            if span is not None:
+                span.set_status(tm.trace.StatusCode.ERROR, e.message)
             raise
         except _CONNECTION_ERRORS as e:
             usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
@@ -195,12 +202,18 @@ class LlamaServerBackend(Backend):
                 return
             message = self._failure(lane, e)
             failed = True
+            if span is not None:
+                span.set_status(tm.trace.StatusCode.ERROR, message)
             if not started:
                 raise BackendError(message, 503) from None
             yield Chunk(finish_reason="error", error=message, usage=usage)
         finally:
             if flight.resp is not None:
                 flight.resp.close()  # closing the connection makes llama-server cancel the task
+            if span is not None:
+                if slot is not None:
+                    span.set_attribute(tm.PULSE_LLAMA_SLOT, slot)
+                span.end()
             lane.running -= 1
             self._flights.pop(request.request_id, None)
             if named:  # ended before it started
@@ -212,6 +225,21 @@ class LlamaServerBackend(Backend):
                 if self.checkpoints is not None and lane.checkpoints and not failed:
                     self.checkpoints.after_request(lane, slot)
 
+    def _client_span(self, lane: Lane, slot: int | None, beyond: bool):
+        """The `pulse.llama_server` CLIENT span (docs/METRICS.md): from the request's arrival here to its last
+        event, under the worker's span of the request, with when it was sent (after any hold, slots.py) and when
+        llama-server's headers came (with the first token, after its own queue and the prefill), the slot named and
+        the one llama-server ran it in, whether it went beyond the slots, and llama-server's own timings: what
+        tells a wait in Pulse from one in llama-server. None when the request's span is not recorded (nothing
+        exports): one check a request then."""
+        if not tm.trace.get_current_span().is_recording():
+            return None
+        span = self.tracer.start_span(tm.SPAN_LLAMA_SERVER, kind=tm.trace.SpanKind.CLIENT)
+        span.set_attributes({tm.PULSE_WORKER: self.worker_id, tm.PULSE_LLAMA_LANE: lane.name,
+                             tm.PULSE_LLAMA_SLOT_NAMED: -1 if slot is None else slot,
+                             tm.PULSE_LLAMA_BEYOND_SLOTS: beyond, tm.PULSE_LLAMA_RUNNING: lane.running})
+        return span
+
     async def _wait_ready(self, lane: Lane) -> None:
         if lane.ready:
             return
@@ -220,16 +248,22 @@ class LlamaServerBackend(Backend):
         except asyncio.TimeoutError:
             raise BackendError("llama-server is restarting", 503) from None
 
-    async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None, flight: _Flight) -> http.LlamaStream:
+    async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None, flight: _Flight,
+                    span=None) -> http.LlamaStream:
         """POST the request and wait for the response headers. llama-server sends them with the first
         token, after queueing and prefill (minutes for a long cold prompt on a small box), so a slow
         answer alone is not a fault: every `headers_timeout_s` without headers the process must show it
         is alive (`_alive`), and only one that does not counts as hung (killed, then restarted). The
         stream is the flight's from the moment it connects: cancel() or a crash closes it, which ends
-        the wait at once (and makes llama-server drop the task)."""
+        the wait at once (and makes llama-server drop the task). `span`: the request's `pulse.llama_server` span
+        (or None), whose context goes in the request's `traceparent` header."""
         body = api.request_body(request, slot, exact_seed=self.profile.kind != "cpu")
+        headers = None
+        if span is not None:
+            span.add_event(tm.EVENT_LLAMA_SENT)
+            headers = tm.inject_context(tm.trace.set_span_in_context(span))
         resp = flight.resp = await http.open_stream("127.0.0.1", lane.process.port, "/completion", body,
-                                                    connect_timeout_s=CONNECT_TIMEOUT_S)
+                                                    connect_timeout_s=CONNECT_TIMEOUT_S, headers=headers)
         if flight.cancelled:  # cancel() came while connecting
             raise ConnectionError("cancelled")
         while not await resp.head(self.cfg.headers_timeout_s):
@@ -237,6 +271,8 @@ class LlamaServerBackend(Backend):
                 raise asyncio.TimeoutError(
                     f"no response headers within {self.cfg.headers_timeout_s:.1f} s, no tokens on any stream "
                     f"and no answer to /health within {self.cfg.health_timeout_s:.1f} s")
+        if span is not None:
+            span.add_event(tm.EVENT_LLAMA_HEADERS)
         if resp.status != 200:
             raise api.error_of(resp.status, await resp.body(self.cfg.headers_timeout_s))
         return resp
@@ -346,6 +382,14 @@ class LlamaServerBackend(Backend):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _timings_on(span, timings: api.Timings | None) -> None:
+    """llama-server's own account of the request, from its final event, on the request's span."""
+    if timings is not None:
+        span.set_attributes({tm.PULSE_LLAMA_PROMPT_MS: timings.prompt_ms, tm.PULSE_LLAMA_PREDICTED_MS:
+                             timings.predicted_ms, tm.PULSE_LLAMA_PROMPT_N: timings.prompt_n,
+                             tm.PULSE_LLAMA_CACHE_N: timings.cache_n, tm.PULSE_LLAMA_PREDICTED_N: timings.predicted_n})
 
 
 def _stop_cut(tokens: list[int], stop_ids: set[int]) -> int | None:

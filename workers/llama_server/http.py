@@ -150,15 +150,18 @@ def _expire(fut: asyncio.Future) -> None:
         fut.set_result(False)
 
 
-async def open_stream(host: str, port: int, path: str, body: bytes, *, connect_timeout_s: float) -> LlamaStream:
-    """Connect and send `body` (JSON) as a POST to `path`; returns at once (wait with `head`). OSError or
-    TimeoutError when the connection cannot be made."""
+async def open_stream(host: str, port: int, path: str, body: bytes, *, connect_timeout_s: float,
+                      headers: dict[str, str] | None = None) -> LlamaStream:
+    """Connect and send `body` (JSON) as a POST to `path`, with `headers` besides the request's own (e.g. the
+    trace context's `traceparent`); returns at once (wait with `head`). OSError or TimeoutError when the
+    connection cannot be made."""
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(connect_timeout_s):
         transport, stream = await loop.create_connection(LlamaStream, host, port)
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    transport.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+    transport.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{extra}"
                     f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
     return stream

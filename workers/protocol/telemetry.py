@@ -68,6 +68,19 @@ PULSE_ACCEPTED_TOKENS = "pulse.accepted_tokens"
 PULSE_ROUTE_REASON = "pulse.route.reason"  # e.g. "prefix", "load", "session"
 PULSE_ADMISSION_RESULT = "pulse.admission.result"  # "admitted" or the rejection reason
 PULSE_QUEUE_DEPTH = "pulse.queue.depth"
+# the `pulse.llama_server` span (workers/llama_server/backend.py)
+PULSE_LLAMA_LANE = "pulse.llama_server.lane"
+PULSE_LLAMA_SLOT_NAMED = "pulse.llama_server.slot_named"  # the slot Pulse asked for (id_slot); -1: none
+PULSE_LLAMA_SLOT = "pulse.llama_server.slot"  # the slot it ran in: the one named, else its events' id_slot
+PULSE_LLAMA_BEYOND_SLOTS = "pulse.llama_server.beyond_slots"  # every slot had a request when it came
+PULSE_LLAMA_RUNNING = "pulse.llama_server.running"  # the lane's requests in flight when it came, itself excluded
+PULSE_LLAMA_PROMPT_MS = "pulse.llama_server.prompt_ms"  # llama-server's timings: prompt_ms, predicted_ms, ...
+PULSE_LLAMA_PREDICTED_MS = "pulse.llama_server.predicted_ms"
+PULSE_LLAMA_PROMPT_N = "pulse.llama_server.prompt_n"
+PULSE_LLAMA_CACHE_N = "pulse.llama_server.cache_n"
+PULSE_LLAMA_PREDICTED_N = "pulse.llama_server.predicted_n"
+EVENT_LLAMA_SENT = "pulse.llama_server.sent"  # the request went to llama-server (after any hold)
+EVENT_LLAMA_HEADERS = "pulse.llama_server.headers"  # its response headers came (with the first token)
 
 EXPORTERS = ("otlp", "console", "memory", "none")
 
