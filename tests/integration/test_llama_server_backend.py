@@ -108,9 +108,10 @@ async def test_a_recorded_request_has_a_llama_server_client_span_with_its_slot_a
     assert len(spans) == 1  # the unrecorded request made none
     (span,) = spans
     assert span.kind == trace.SpanKind.CLIENT and span.parent.span_id == parent.get_span_context().span_id
-    sent, headers = span.events
-    assert (sent.name, headers.name) == ("pulse.llama_server.sent", "pulse.llama_server.headers")
-    assert span.start_time <= sent.timestamp <= headers.timestamp <= span.end_time
+    sent, headers, first = span.events
+    assert (sent.name, headers.name, first.name) == \
+        ("pulse.llama_server.sent", "pulse.llama_server.headers", "pulse.llama_server.first_token")
+    assert span.start_time <= sent.timestamp <= headers.timestamp <= first.timestamp <= span.end_time
     a = span.attributes
     assert a["pulse.llama_server.slot_named"] in (-1, a["pulse.llama_server.slot"])
     assert 0 <= a["pulse.llama_server.slot"] < len(backend.lanes[0].slots.slots)

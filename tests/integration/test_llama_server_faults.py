@@ -94,15 +94,44 @@ async def test_hung_process_times_out_then_is_replaced(tmp_path):
 
 
 async def test_slow_but_alive_is_not_a_hang(tmp_path):
-    """A prefill longer than headers_timeout_s is waited for while /health answers: nothing is killed."""
-    backend = make_backend(tmp_path, headers_timeout_s=0.3)
+    """A prefill longer than headers_timeout_s and stream_idle_timeout_s is waited for while /health answers:
+    nothing is killed, and the request is served. This llama-server build sends its headers at once, so the wait is
+    for the first event; it was timed by stream_idle_timeout_s (60 s by default), which failed any request whose
+    prefill or wait in llama-server's queue took longer."""
+    backend = make_backend(tmp_path, headers_timeout_s=0.3, stream_idle_timeout_s=0.3, health_timeout_s=0.3)
     await backend.start()
     try:
         t0 = time.monotonic()
         chunks = await collect(backend, request("slow", encode("The sea was calm that night. " * 150), 2))
-        assert time.monotonic() - t0 > 0.6  # the headers took several timeouts' worth of time
+        assert time.monotonic() - t0 > 0.6  # the first token took several timeouts' worth of time
         assert chunks[-1].finish_reason == "length" and backend.stats().restarts == 0
     finally:
+        await backend.close()
+
+
+async def test_a_process_that_hangs_after_its_headers_is_found_by_the_first_events_wait(tmp_path):
+    """Stopped in the prefill, after the headers came (this build sends them at once): no event within
+    headers_timeout_s, no tokens anywhere and no answer to /health within health_timeout_s is a hang (503, the
+    process replaced), well before stream_idle_timeout_s."""
+    backend = make_backend(tmp_path, headers_timeout_s=1.0, health_timeout_s=1.0, stream_idle_timeout_s=120.0)
+    await backend.start()
+    pid = backend.pids()[0]
+    try:
+        chunks = backend.generate(request("hang", encode("The sea was calm that night. " * 300), 2))
+        first = asyncio.ensure_future(chunks.__anext__())
+        await until(lambda: any(f.resp is not None and f.resp._mode != "head" for f in backend._flights.values()),
+                    timeout_s=10, what="headers")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as e:
+            await asyncio.wait_for(first, 30)
+        waited = time.monotonic() - t0
+        assert e.value.status == 503 and "no event within" in e.value.message and waited < 10, (e.value, waited)
+        await until(lambda: backend.stats().restarts == 1, timeout_s=10, what="killed")
+        assert not pid_alive(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         await backend.close()
 
 

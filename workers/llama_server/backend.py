@@ -5,8 +5,9 @@ Each request goes to llama-server's native /completion endpoint as the gateway's
 - the process dies: its sockets close, so every in-flight stream ends at once (an error chunk, or
   BackendError 503 before the first chunk); the supervisor restarts it with backoff;
 - the process hangs: no event on a stream for `stream_idle_timeout_s` is the same error. Waiting for
-  response headers (queueing and prefill) is not: every `headers_timeout_s` the process must show it
-  is alive, by tokens flowing on any stream within `health_timeout_s` or by answering /health within
+  the response headers and the first event (llama-server's queue and the prefill: this build sends the
+  headers at once, older ones with the first token) is not: every `headers_timeout_s` the process must show
+  it is alive, by tokens flowing on any stream within `health_timeout_s` or by answering /health within
   `health_timeout_s` on a connection of its own; only one that does neither is killed and restarted.
   A busy llama-server is not an unhealthy one.
 """
@@ -159,8 +160,10 @@ class LlamaServerBackend(Backend):
             if not named:  # after the requests sent before it that it could overtake on the way (slots.py)
                 await lane.slots.named_ahead(beyond=beyond)
             resp = await self._open(lane, request, slot, flight, span)
+            first = True
             while True:
-                ev = await self._next_event(resp)
+                ev = await (self._first_event(lane, resp) if first else self._next_event(resp))
+                first = False
                 lane.progress_at = time.monotonic()
                 if named:
                     named = False
@@ -182,12 +185,16 @@ class LlamaServerBackend(Backend):
                 if ev.stop:
                     self._record(ev)
                     if span is not None:
+                        if not started:  # its one event: the first token and the last
+                            span.add_event(tm.EVENT_LLAMA_FIRST_TOKEN)
                         _timings_on(span, ev.timings)
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs,
                                 finish_reason=api.FINISH.get(ev.stop_type, "stop"),
                                 usage=api.usage_of(ev, len(prompt)))
                     return
                 if ev.content or ev.tokens:
+                    if span is not None and not started:
+                        span.add_event(tm.EVENT_LLAMA_FIRST_TOKEN)
                     started = True
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs)
         except BackendError as e:
@@ -227,10 +234,10 @@ class LlamaServerBackend(Backend):
 
     def _client_span(self, lane: Lane, slot: int | None, beyond: bool):
         """The `pulse.llama_server` CLIENT span (docs/METRICS.md): from the request's arrival here to its last
-        event, under the worker's span of the request, with when it was sent (after any hold, slots.py) and when
-        llama-server's headers came (with the first token, after its own queue and the prefill), the slot named and
-        the one llama-server ran it in, whether it went beyond the slots, and llama-server's own timings: what
-        tells a wait in Pulse from one in llama-server. None when the request's span is not recorded (nothing
+        event, under the worker's span of the request, with when it was sent (after any hold, slots.py), when
+        llama-server's headers came and when its first token did (after its own queue and the prefill), the slot
+        named and the one llama-server ran it in, whether it went beyond the slots, and llama-server's own timings:
+        what tells a wait in Pulse from one in llama-server. None when the request's span is not recorded (nothing
         exports): one check a request then."""
         if not tm.trace.get_current_span().is_recording():
             return None
@@ -250,13 +257,14 @@ class LlamaServerBackend(Backend):
 
     async def _open(self, lane: Lane, request: GenerateRequest, slot: int | None, flight: _Flight,
                     span=None) -> http.LlamaStream:
-        """POST the request and wait for the response headers. llama-server sends them with the first
-        token, after queueing and prefill (minutes for a long cold prompt on a small box), so a slow
-        answer alone is not a fault: every `headers_timeout_s` without headers the process must show it
-        is alive (`_alive`), and only one that does not counts as hung (killed, then restarted). The
-        stream is the flight's from the moment it connects: cancel() or a crash closes it, which ends
-        the wait at once (and makes llama-server drop the task). `span`: the request's `pulse.llama_server` span
-        (or None), whose context goes in the request's `traceparent` header."""
+        """POST the request and wait for the response headers. This llama-server build sends them at once;
+        older ones sent them with the first token, after queueing and prefill (minutes for a long cold prompt on
+        a small box; `_first_event` waits for that now), so a slow answer alone is not a fault: every
+        `headers_timeout_s` without headers the process must show it is alive (`_alive`), and only one that does
+        not counts as hung (killed, then restarted). The stream is the flight's from the moment it connects:
+        cancel() or a crash closes it, which ends the wait at once (and makes llama-server drop the task).
+        `span`: the request's `pulse.llama_server` span (or None), whose context goes in its `traceparent`
+        header."""
         body = api.request_body(request, slot, exact_seed=self.profile.kind != "cpu")
         headers = None
         if span is not None:
@@ -277,8 +285,23 @@ class LlamaServerBackend(Backend):
             raise api.error_of(resp.status, await resp.body(self.cfg.headers_timeout_s))
         return resp
 
-    async def _next_event(self, resp: http.LlamaStream) -> api.Event:
-        line = await resp.line(self.cfg.stream_idle_timeout_s)
+    async def _first_event(self, lane: Lane, resp: http.LlamaStream) -> api.Event:
+        """The stream's first event: after llama-server's own queue and the prefill, which take as long as they
+        take (a long prompt on a small box: minutes; this build sends its headers at once, so `_open` returns before
+        them). As for the headers, a wait is a fault only where the process shows no life (`_alive`); it was the
+        `stream_idle_timeout_s` between two events, so a prefill or a queue in llama-server longer than that (60 s)
+        failed a request no fault had touched."""
+        while True:
+            try:
+                return await self._next_event(resp, self.cfg.headers_timeout_s)
+            except asyncio.TimeoutError:
+                if not await self._alive(lane):
+                    raise asyncio.TimeoutError(
+                        f"no event within {self.cfg.headers_timeout_s:.1f} s, no tokens on any stream and no "
+                        f"answer to /health within {self.cfg.health_timeout_s:.1f} s") from None
+
+    async def _next_event(self, resp: http.LlamaStream, timeout_s: float | None = None) -> api.Event:
+        line = await resp.line(self.cfg.stream_idle_timeout_s if timeout_s is None else timeout_s)
         if line.startswith(b"data: "):
             return api.decode_event(line[6:])
         if not line:

@@ -100,7 +100,7 @@ class LlamaStream(ResponseFraming, asyncio.Protocol):
 
     async def head(self, timeout_s: float | None) -> bool:
         """Whether the status line and headers are in (False: not within `timeout_s`); raises what cut the
-        connection. llama-server sends them with the first token, after queueing and prefill."""
+        connection. This llama-server build sends them at once (older ones with the first token)."""
         while self._mode == "head":
             if self._error is not None:
                 raise self._error

@@ -80,7 +80,8 @@ PULSE_LLAMA_PROMPT_N = "pulse.llama_server.prompt_n"
 PULSE_LLAMA_CACHE_N = "pulse.llama_server.cache_n"
 PULSE_LLAMA_PREDICTED_N = "pulse.llama_server.predicted_n"
 EVENT_LLAMA_SENT = "pulse.llama_server.sent"  # the request went to llama-server (after any hold)
-EVENT_LLAMA_HEADERS = "pulse.llama_server.headers"  # its response headers came (with the first token)
+EVENT_LLAMA_HEADERS = "pulse.llama_server.headers"  # its response headers came
+EVENT_LLAMA_FIRST_TOKEN = "pulse.llama_server.first_token"  # its first event with a token
 
 EXPORTERS = ("otlp", "console", "memory", "none")
 
