@@ -173,15 +173,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def start_pulse(config: str, log_dir: Path, procs: list, start_timeout: float) -> tuple[Proc, str, int, int]:
+def start_pulse(config: str, log_dir: Path, procs: list, start_timeout: float, env: dict[str, str] | None = None
+                ) -> tuple[Proc, str, int, int]:
     """`pulse serve` with `config` (written to log_dir), healthy: (its process, its URL, and the pid and port of
-    the llama-server its one worker runs, for the same requests sent direct)."""
+    the llama-server its one worker runs, for the same requests sent direct). `env`: more variables for it (e.g. an
+    OTLP receiver's)."""
     (log_dir / "pulse.yaml").write_text(config)
     port = free_port()
     # `python -m pulse.cli` from this checkout, not whatever `pulse` is first on PATH
     pulse = Proc("pulse", python_module("pulse.cli", "serve", "--config", str(log_dir / "pulse.yaml"),
                                         "--host", "127.0.0.1", "--port", str(port)), log_dir,
-                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
+                 env={**(env or {}),
+                      "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     procs.append(pulse)
     pulse_url = f"http://127.0.0.1:{port}"
     pulse.wait_healthy(pulse_url + "/health", timeout=start_timeout)

@@ -23,6 +23,10 @@ with `=` replaces the device profile's llama-server flags instead (`--variants '
 its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags), and
 `--variant-worker-queues` its Pulse's `admission.worker_queue_max` (`--variants '' '' --variant-worker-queues '' 4`:
 requests sent beyond llama-server's slots, waiting in its own queue, against none).
+`--trace` has every `pulse serve` export its spans to an OTLP receiver in the bench and splits each Pulse run's
+TTFT into the gateway's queue, the hop to the worker, the worker's hold, llama-server's own wait and its prefill
+(bench.request_timeline: `trace_*` metrics, and the slowest tenth's parts in the verdict lines). Recording spans
+costs the gateway and the worker CPU: a traced run says where time goes, not how fast Pulse is.
 
     python -m bench.llama_server_parity --clients 1 8 32 64 --modes greedy t1 --apis completions chat
     python -m bench.llama_server_parity --clients 1 8 32 64 --tokens 8 --repeats 2 --warmup 1   # CPU box
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import time
@@ -39,11 +44,13 @@ from pathlib import Path
 
 from bench import llama_server_log as server_log
 from bench import loops, protocol
+from bench import request_timeline as timeline
 from bench.gateway_overhead import _load_with_cpu, first_model
 from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, start_pulse
 from bench.loadgen import LoadSpec
 from bench.machine import checked_machine_info
 from bench.procs import Proc, owned_processes
+from tests.otlp_sink import OtlpSink
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_RATIO, GOAL_ADDED_P50_MS = 0.95, 2.0
@@ -57,6 +64,8 @@ TABLE_METRICS = ["tok_s", "tok_s_ratio", "tok_s_vs_v0", "ttft_p50_ms", "ttft_p99
                  "added_ttft_p99_ms", "launches_per_group", "deferred_picks", "server_prompt_p50_ms",
                  "server_reserve_ms", "errors", "rate_limited"]
 PLOT_METRICS = ["tok_s", "tok_s_ratio", "added_ttft_p50_ms"]
+TRACE_METRICS = ["trace_ttft_p99_ms", "trace_gateway_queue_p99_ms", "trace_held_p99_ms", "trace_server_wait_p99_ms",
+                 "trace_tail_gateway_queue_mean_ms", "trace_tail_server_wait_mean_ms", "trace_tail_beyond_frac"]
 
 
 def cell(target: str, api: str, mode: str, clients: int, think_ms: float = 0) -> str:
@@ -172,17 +181,29 @@ def verdict(summary: dict) -> list[str]:
     return lines
 
 
-async def _measure(spec: LoadSpec, path: list, pulse: Proc, log_dir: Path | None = None) -> dict:
+async def _measure(spec: LoadSpec, path: list, pulse: Proc, log_dir: Path | None = None, sink=None,
+                   traced: list | None = None) -> dict:
     """One run; with `log_dir`, also what llama-server's own log says of the run's launches
-    (bench.llama_server_log.slice_metrics: how many launch groups its requests came in, its prompt eval p50)."""
+    (bench.llama_server_log.slice_metrics: how many launch groups its requests came in, its prompt eval p50); with
+    `sink` (an OTLP receiver `pulse serve` exports to), where the run's TTFT went (bench.request_timeline), its rows
+    appended to `traced`."""
     if pulse.popen.poll() is not None:  # measuring a dead server would only record connection errors
         raise RuntimeError(f"pulse serve exited with {pulse.popen.returncode}:\n{pulse.log_tail()}")
     log = max(log_dir.glob("llama-server-*.log"), key=lambda p: p.stat().st_mtime, default=None) if log_dir else None
     start = log.stat().st_size if log else 0
+    if sink is not None:
+        sink.drain()  # what came before this run
+        t0 = time.time_ns()
     out = await _load_with_cpu(spec, path)
     if log is not None:
         await asyncio.sleep(0.2)  # the last request's timing lines follow its final event
         out["metrics"].update(server_log.slice_metrics(log, start, log.stat().st_size))
+    if sink is not None:
+        await asyncio.sleep(0.5)  # the processes export in batches (OTEL_BSP_SCHEDULE_DELAY 50 ms)
+        rows = [r for r in timeline.timelines(sink.drain()) if r["arrive_ns"] >= t0]
+        out["metrics"].update(timeline.summarize(rows))
+        if traced is not None:
+            traced.append(rows)
     return out
 
 
@@ -224,6 +245,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
+    ap.add_argument("--trace", action="store_true",
+                    help="export Pulse's spans to a receiver in the bench: where each run's TTFT went "
+                    "(trace_* metrics)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--loop", choices=loops.CHOICES, default="auto", help="the load generator's event loop")
     protocol.add_arguments(ap, RESULTS)
@@ -242,8 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine, started = checked_machine_info(), time.time()
     log_dir = args.out / f"logs-parity-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with owned_processes() as procs:
-        cells, runs, servers, log_lines = {}, {}, [], []
+    with owned_processes() as procs, contextlib.ExitStack() as stack:
+        sink = stack.enter_context(OtlpSink()) if args.trace else None
+        cells, runs, servers, log_lines, traced = {}, {}, [], [], {}
         ids = prompt_ids(args.prompt_tokens, args.model)
         for v, flags in enumerate(args.variants):
             vdir = log_dir / f"v{v}" if len(args.variants) > 1 else log_dir
@@ -251,12 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             binary = args.variant_binaries[v] if v < len(args.variant_binaries) else None
             queue = args.variant_worker_queues[v] if v < len(args.variant_worker_queues) else ""
             config = config_yaml(args, vdir, flags, binary, int(queue) if queue else None)
-            pulse, pulse_url, llama_pid, llama_port = start_pulse(config, vdir, procs, args.start_timeout)
+            pulse, pulse_url, llama_pid, llama_port = start_pulse(config, vdir, procs, args.start_timeout,
+                                                                  sink.env() if sink else None)
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
             vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)
             cells |= vcells
-            runs |= {name: functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir)
-                     for name, s in vcells.items()}
+            for name, s in vcells.items():
+                pulse_cell = sink is not None and name.split("/")[0] == target("pulse", v)
+                runs[name] = functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir,
+                                               sink if pulse_cell else None, traced.setdefault(name, []))
             servers.append((v, flags + (f" [worker_queue_max {queue}]" if queue else ""), llama_pid, vdir))
         # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
         records, cut = protocol.run_to_limit(runs, args.repeats, args.warmup, not args.quiet, args.loop)
@@ -271,8 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             params["llama_servers"].append({"variant": v, "flags": flags, "pid": llama_pid, "argv": argv,
                                             "launches": launches})
             log_lines += [f"variant {v} ({flags or 'as configured'}): {line}" for line in server_log.lines(launches)]
+        for name, per_run in traced.items():  # warm-up included: every run's own line
+            log_lines += [line for i, rows in enumerate(per_run) for line in timeline.lines(rows, f"{name} run {i}: ")]
         protocol.publish("llama_server_parity", records, summary, params, started, machine,
-                         verdict(summary) + log_lines + interrupted, TABLE_METRICS, PLOT_METRICS, args.out)
+                         verdict(summary) + log_lines + interrupted,
+                         TABLE_METRICS + (TRACE_METRICS if args.trace else []), PLOT_METRICS, args.out)
     return 0
 
 

@@ -31,6 +31,9 @@ class SinkSpan:
     events: list[str] = field(default_factory=list)
     event_attributes: list[dict[str, Any]] = field(default_factory=list)  # one dict per event, in order
     resource: dict[str, Any] = field(default_factory=dict)
+    start_ns: int = 0  # wall clock (time.time_ns), as the exporting process's SDK stamped it
+    end_ns: int = 0
+    event_times_ns: list[int] = field(default_factory=list)  # one per event, in order
 
 
 def _value(v) -> Any:
@@ -52,6 +55,8 @@ def _decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[SinkSp
                     attributes={a.key: _value(a.value) for a in s.attributes},
                     events=[e.name for e in s.events], resource=resource,
                     event_attributes=[{a.key: _value(a.value) for a in e.attributes} for e in s.events],
+                    start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                    event_times_ns=[e.time_unix_nano for e in s.events],
                 ))
     return out
 
@@ -121,6 +126,12 @@ class OtlpSink:
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
             "OTEL_BSP_SCHEDULE_DELAY": "50",
         }
+
+    def drain(self) -> list[SinkSpan]:
+        """The spans received so far, forgotten here (a long bench keeps only what it has not read yet)."""
+        with self._lock:
+            spans, self.spans = self.spans, []
+        return spans
 
     def wait_for(self, predicate: Callable[[list[SinkSpan]], bool], timeout: float = 10.0) -> list[SinkSpan]:
         """Spans received so far, once `predicate(spans)` holds; AssertionError after `timeout` seconds."""

@@ -25,6 +25,7 @@ import aiohttp
 import openai
 import pytest
 
+from bench import request_timeline
 from bench.faults import both_serving, child_pids, worker_pid, workers
 from tests.conftest import PulseProcess
 from tests.integration.llama_server_helpers import serve_config
@@ -91,6 +92,30 @@ def _stream(client: openai.OpenAI, trace_id: str, on_chunk=None) -> tuple[str, s
         if on_chunk is not None:
             on_chunk(n, worker)
     return text, finish, usage, worker
+
+
+def test_a_served_requests_spans_split_its_time_to_first_token(two_llama_workers):
+    """One trace from the gateway through the worker to llama-server: the backend's `pulse.llama_server` span is
+    under the worker's, with its slot and llama-server's timings, and bench.request_timeline splits the request's
+    TTFT into parts that add up to it (the parity bench's --trace)."""
+    srv, sink = two_llama_workers
+    _wait_both_serving(srv.base)
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=120, max_retries=0)
+    trace_id = os.urandom(16).hex()
+    _stream(client, trace_id)
+    spans = sink.wait_for(lambda s: {"POST /v1/completions", "pulse.llama_server"}
+                          <= {x.name for x in s if x.trace_id == trace_id}, 20)
+    mine = [x for x in spans if x.trace_id == trace_id]
+    (llama,) = [x for x in mine if x.name == "pulse.llama_server"]
+    (prefill,) = [x for x in mine if x.name == "pulse.prefill"]
+    assert llama.parent_span_id == prefill.span_id and llama.service == prefill.service
+    assert llama.attributes["pulse.llama_server.slot"] in (0, 1)
+    assert llama.attributes["pulse.llama_server.predicted_n"] == MAX_TOKENS
+    (row,) = request_timeline.timelines(mine)
+    parts = [row[p] for p in request_timeline.PARTS]
+    assert row["ttft_ms"] > 0 and min(parts) > -1.0, row  # one box, one clock: no part runs backwards
+    assert sum(parts) == pytest.approx(row["ttft_ms"])
+    assert row["prompt_ms"] > 0 and row["admissions"] == 1
 
 
 @pytest.mark.parametrize("target", ["llama-server", "worker"])
