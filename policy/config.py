@@ -223,8 +223,9 @@ class LlamaServerConfig(PulseModel):
     )
     startup_timeout_s: float = Field(180.0, gt=0, description="Time allowed for /health to turn 200 after start.")
     headers_timeout_s: float = Field(
-        30.0, gt=0, description="Without response headers for this long, /health is asked; a process that does not "
-        "answer it is hung (killed, restarted) and the request fails with 503. Also the wait for a restarting process."
+        30.0, gt=0, description="Without response headers or the first event for this long (llama-server's queue and "
+        "the prefill), /health is asked; a process that does not answer it is hung (killed, restarted) and the request "
+        "fails with 503; one that does is waited for again. Also the wait for a restarting process."
     )
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap between two streamed events before the process counts as hung."
