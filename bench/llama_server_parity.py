@@ -299,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             params["llama_servers"].append({"variant": v, "flags": flags, "pid": llama_pid, "argv": argv,
                                             "launches": launches})
             log_lines += [f"variant {v} ({flags or 'as configured'}): {line}" for line in server_log.lines(launches)]
-        for name, per_run in traced.items():  # warm-up included: every run's own line
+        for name, per_run in traced.items():  # warm-up included: every run's own line, and its rows in the logs
             log_lines += [line for i, rows in enumerate(per_run) for line in timeline.lines(rows, f"{name} run {i}: ")]
+            for i, rows in enumerate(per_run):
+                (log_dir / f"trace-{name.replace('/', '_')}-run{i}.json").write_text(json.dumps(rows, indent=0))
         protocol.publish("llama_server_parity", records, summary, params, started, machine,
                          verdict(summary) + log_lines + interrupted,
                          TABLE_METRICS + (TRACE_METRICS if args.trace else []), PLOT_METRICS, args.out)
