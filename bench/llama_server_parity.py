@@ -22,7 +22,8 @@ with `=` replaces the device profile's llama-server flags instead (`--variants '
 512'`: the h200 profile without `--backend-sampling`, which has no negation). `--variant-binaries` gives a variant
 its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags), and
 `--variant-worker-queues` its Pulse's `admission.worker_queue_max` (`--variants '' '' --variant-worker-queues '' 4`:
-requests sent beyond llama-server's slots, waiting in its own queue, against none).
+requests sent beyond llama-server's slots, waiting in its own queue, against none), and `--variant-holds` its worker's
+`workers.llama_server.hold_ms` (`--variants '' '' --variant-holds '' 0`: the hold against none).
 `--trace` has every `pulse serve` export its spans to an OTLP receiver in the bench and splits each Pulse run's
 TTFT into the gateway's queue, the hop to the worker, the worker's hold, llama-server's own wait and its prefill
 (bench.request_timeline: `trace_*` metrics, and the slowest tenth's parts in the verdict lines). Recording spans
@@ -84,9 +85,11 @@ def direct_of(name: str) -> str | None:
     return "direct" + tgt[len("pulse"):] + "/" + rest if tgt.startswith("pulse") else None
 
 
-def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None, worker_queue: int | None = None
-                ) -> str:
+def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None, worker_queue: int | None = None,
+                hold_ms: float | None = None) -> str:
     ls = {"log_dir": str(log_dir)}
+    if hold_ms is not None:
+        ls["hold_ms"] = hold_ms
     for key in ("slots", "kv_tokens", "threads", "binary"):
         if getattr(args, key):
             ls[key] = getattr(args, key)
@@ -242,6 +245,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant-worker-queues", nargs="+", default=[], metavar="N",
                     help="per variant, in --variants' order, Pulse's admission.worker_queue_max: requests it sends "
                     "beyond llama-server's slots ('' or missing: what the worker says)")
+    ap.add_argument("--variant-holds", nargs="+", default=[], metavar="MS",
+                    help="per variant, in --variants' order, the worker's workers.llama_server.hold_ms ('' or "
+                    "missing: Pulse's default), e.g. --variants '' '' --variant-holds '' 0")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
@@ -258,6 +264,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--variant-worker-queues names more queues than there are --variants")
     if any(q and not q.isdigit() for q in args.variant_worker_queues):
         ap.error("--variant-worker-queues takes whole numbers or ''")
+    if len(args.variant_holds) > len(args.variants):
+        ap.error("--variant-holds names more holds than there are --variants")
+    try:
+        [float(h) for h in args.variant_holds if h]
+    except ValueError:
+        ap.error("--variant-holds takes milliseconds or ''")
     return args
 
 
@@ -275,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             vdir.mkdir(parents=True, exist_ok=True)
             binary = args.variant_binaries[v] if v < len(args.variant_binaries) else None
             queue = args.variant_worker_queues[v] if v < len(args.variant_worker_queues) else ""
-            config = config_yaml(args, vdir, flags, binary, int(queue) if queue else None)
+            hold = args.variant_holds[v] if v < len(args.variant_holds) else ""
+            config = config_yaml(args, vdir, flags, binary, int(queue) if queue else None,
+                                 float(hold) if hold else None)
             pulse, pulse_url, llama_pid, llama_port = start_pulse(config, vdir, procs, args.start_timeout,
                                                                   sink.env() if sink else None)
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
@@ -285,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pulse_cell = sink is not None and name.split("/")[0] == target("pulse", v)
                 runs[name] = functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir,
                                                sink if pulse_cell else None, traced.setdefault(name, []))
-            servers.append((v, flags + (f" [worker_queue_max {queue}]" if queue else ""), llama_pid, vdir))
+            label = flags + (f" [worker_queue_max {queue}]" if queue else "") + (f" [hold_ms {hold}]" if hold else "")
+            servers.append((v, label, llama_pid, vdir))
         # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
         records, cut = protocol.run_to_limit(runs, args.repeats, args.warmup, not args.quiet, args.loop)
         interrupted = [f"{cut}: cells with no measured run are missing"] if cut else []

@@ -256,6 +256,12 @@ class LlamaServerConfig(PulseModel):
         "picks (its own prompt-similarity rule) and Pulse learns the slot from the first event; slot checkpoints, when "
         "on, always pick. Either way the prefix index hears what each slot holds."
     )
+    hold_ms: float = Field(
+        100.0, ge=0, description="Longest a request sent with no slot waits for those sent before it that it could "
+        "overtake on the way to llama-server (to a named slot, not started yet; beyond the slots, to a free slot, not "
+        "placed yet: workers/llama_server/slots.py). llama-server shows both only with their first token, after the "
+        "prefill, so on a CPU box the wait often runs to this bound (BENCHMARKS.md); 0: no hold."
+    )
     log_dir: str | None = Field(None, description="Where llama-server's output is written; empty: <cache>/logs.")
     restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between restarts of a dead process.")
     stop_grace_s: float = Field(5.0, ge=0, description="Time between SIGTERM and SIGKILL when stopping the process.")

@@ -78,6 +78,13 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     for bad in (["--variant-worker-queues", "1", "2"], ["--variants", "", "", "--variant-worker-queues", "x"]):
         with pytest.raises(SystemExit):
             _parse(bad)
+    # a variant's own workers.llama_server.hold_ms (--variant-holds): Pulse's default unless given, 0 kept as 0
+    assert "hold_ms" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
+    assert json.loads(config_yaml(args, Path("/tmp"), "", None, None, 0.0))["workers"]["llama_server"]["hold_ms"] == 0
+    assert _parse(["--variants", "", "", "--variant-holds", "", "0"]).variant_holds == ["", "0"]
+    for bad in (["--variant-holds", "1", "2"], ["--variants", "", "", "--variant-holds", "x"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
     records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
                rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
                rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),

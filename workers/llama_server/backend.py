@@ -158,7 +158,7 @@ class LlamaServerBackend(Backend):
         started = failed = False
         try:
             if not named:  # after the requests sent before it that it could overtake on the way (slots.py)
-                await lane.slots.named_ahead(beyond=beyond)
+                await lane.slots.named_ahead(self.cfg.hold_ms / 1000, beyond=beyond)
             resp = await self._open(lane, request, slot, flight, span)
             first = True
             while True:
