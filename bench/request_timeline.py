@@ -25,8 +25,9 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
+from bench.loadgen import percentiles
+
 PARTS = ("gateway_queue_ms", "to_worker_ms", "held_ms", "server_wait_ms", "prompt_ms", "other_ms")
-TAIL = 0.9  # the slowest tenth
 
 
 def _ms(ns: int) -> float:
@@ -75,24 +76,18 @@ def timelines(spans: Iterable) -> list[dict]:
     return rows
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summarize(rows: list[dict]) -> dict:
     """Flat metrics for a bench record (`trace_` + name): every part's p50/p99 over the run, and the slow tail's
-    share of each part (its mean), of requests sent beyond the slots and of those sent to a named slot."""
+    share of each part (its mean), of requests sent beyond the slots and of those sent to a named slot. Percentiles
+    as the bench's own TTFT ones (bench.loadgen.percentiles); the slow tail: the requests at or above the p90."""
     if not rows:
         return {"trace_requests": 0}
-    out: dict = {"trace_requests": len(rows), "trace_ttft_p50_ms": _pct([r["ttft_ms"] for r in rows], 0.5),
-                 "trace_ttft_p99_ms": _pct([r["ttft_ms"] for r in rows], 0.99)}
+    ttft = percentiles([r["ttft_ms"] for r in rows], scale=1.0)
+    out: dict = {"trace_requests": len(rows), "trace_ttft_p50_ms": ttft["p50"], "trace_ttft_p99_ms": ttft["p99"]}
     for part in PARTS:
-        values = [r[part] for r in rows]
-        out[f"trace_{part[:-3]}_p50_ms"] = _pct(values, 0.5)
-        out[f"trace_{part[:-3]}_p99_ms"] = _pct(values, 0.99)
-    cut = _pct([r["ttft_ms"] for r in rows], TAIL)
-    tail = [r for r in rows if r["ttft_ms"] >= cut]
+        q = percentiles([r[part] for r in rows], scale=1.0)
+        out[f"trace_{part[:-3]}_p50_ms"], out[f"trace_{part[:-3]}_p99_ms"] = q["p50"], q["p99"]
+    tail = [r for r in rows if r["ttft_ms"] >= ttft["p90"]]
     for part in PARTS:
         out[f"trace_tail_{part[:-3]}_mean_ms"] = statistics.fmean(r[part] for r in tail)
     out["trace_tail_ttft_mean_ms"] = statistics.fmean(r["ttft_ms"] for r in tail)
