@@ -296,9 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             vcells = specs(args, ids, pulse_url, first_model(pulse_url), f"http://127.0.0.1:{llama_port}", v)
             cells |= vcells
             for name, s in vcells.items():
-                pulse_cell = sink is not None and name.split("/")[0] == target("pulse", v)
-                runs[name] = functools.partial(_measure, s, paths[name.split("/")[0]], pulse, vdir,
-                                               sink if pulse_cell else None, traced.setdefault(name, []))
+                tgt = name.split("/")[0]
+                traced_cell = sink is not None and tgt == target("pulse", v)  # direct's requests make no spans
+                sink_of, rows_of = (sink, traced.setdefault(name, [])) if traced_cell else (None, None)
+                runs[name] = functools.partial(_measure, s, paths[tgt], pulse, vdir, sink_of, rows_of)
             label = flags + (f" [worker_queue_max {queue}]" if queue else "") + (f" [hold_ms {hold}]" if hold else "")
             servers.append((v, label, llama_pid, vdir))
         # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
