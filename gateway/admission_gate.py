@@ -87,7 +87,10 @@ class AdmissionGate:
         health, no new decision): such a waiter cannot be admitted, only refused early, so a whole routing
         decision (the prompt's hashes, the index, every worker's load) each time it re-checks is wasted work.
         `since`: when the request first entered (`now()`), for one back from a worker's refusal: its deadline
-        runs from then, not from now."""
+        runs from then, not from now, and once it has passed the request is refused (the queue's 429) before it
+        routes again; a request refused each time a place looks free is bounded by its deadline, not a count."""
+        if since is not None and self._clock() - since >= self.cfg.queue_deadline_s:
+            return expired(self._state(ahead_of=None), self.cfg)
         target, request = await route()
         entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant)
         decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
@@ -145,9 +148,6 @@ class AdmissionGate:
         """`entry` was just queued (again) on `target`'s load: if it is the head, whether it waits on the stats."""
         if self._waiters[0] is entry:
             self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
-
-    def queue_state(self) -> QueueState:
-        return self._state(ahead_of=None)
 
     def _state(self, ahead_of) -> QueueState:
         """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""

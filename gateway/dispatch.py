@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from gateway.errors import APIError
 from gateway.pool import WorkerPool, WorkerState, iter_batches
-from policy.admission import expired
 from policy.types import AdmissionRequest
 from workers.protocol import BackendError, Chunk, GenerateRequest
 from workers.protocol import telemetry as tm
@@ -83,12 +82,11 @@ class Dispatcher:
                     # "no healthy worker" from the only worker, under load from two replicas). Not a failure
                     # either: the gateway's view was stale, and another replica can win the race for the place
                     # a poll showed free more than max_retries times in a row (two replicas, one flooding: a
-                    # client got the worker's 429 after three refusals, CI); the queue deadline bounds it.
+                    # client got the worker's 429 after three refusals, CI); the queue deadline (AdmissionGate.enter's
+                    # `since`) bounds it.
                     w.refused = True
                     tried.discard(w.worker_id)
-                    if self.gate.now() - since < self.gate.cfg.queue_deadline_s:
-                        continue
-                    raise self._rejected(expired(self.gate.queue_state(), self.gate.cfg)) from None
+                    continue
                 failures += 1
                 continue
             except BaseException:
@@ -146,14 +144,12 @@ class Dispatcher:
             span.set_attribute(tm.PULSE_ADMISSION_RESULT, decision.action if decision.action == "admit"
                                else (decision.code or decision.action))
         if decision.action != "admit" or not chosen.get("result") or chosen["result"].worker is None:
-            raise self._rejected(decision)
+            self.metrics.rejected(decision.code or "no_worker")
+            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
+            status = decision.status or 503
+            raise APIError(status, decision.message or "no worker can take this request now",
+                           code=decision.code or "no_healthy_worker", headers=headers)
         return chosen["result"]
-
-    def _rejected(self, decision) -> APIError:
-        self.metrics.rejected(decision.code or "no_worker")
-        headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
-        return APIError(decision.status or 503, decision.message or "no worker can take this request now",
-                        code=decision.code or "no_healthy_worker", headers=headers)
 
     def _admission_request(self, gen: GenerateRequest, cached: int, context_length: int = 0) -> AdmissionRequest:
         """`context_length`: the chosen worker's window (its model's); 0: the gateway's default model's."""
