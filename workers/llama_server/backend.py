@@ -182,19 +182,17 @@ class LlamaServerBackend(Backend):
                     return
                 generated += ev.tokens
                 logprobs = api.logprobs_of(ev, request.logprobs or 0)
+                if span is not None and not started and (ev.content or ev.tokens or ev.stop):
+                    span.add_event(tm.EVENT_LLAMA_FIRST_TOKEN)  # (a stop with none before: the first and the last)
                 if ev.stop:
                     self._record(ev)
                     if span is not None:
-                        if not started:  # its one event: the first token and the last
-                            span.add_event(tm.EVENT_LLAMA_FIRST_TOKEN)
                         _timings_on(span, ev.timings)
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs,
                                 finish_reason=api.FINISH.get(ev.stop_type, "stop"),
                                 usage=api.usage_of(ev, len(prompt)))
                     return
                 if ev.content or ev.tokens:
-                    if span is not None and not started:
-                        span.add_event(tm.EVENT_LLAMA_FIRST_TOKEN)
                     started = True
                     yield Chunk(text=ev.content, token_ids=ev.tokens, logprobs=logprobs)
         except BackendError as e:
