@@ -42,7 +42,8 @@ from bench.machine import machine_info
 from bench.procs import Proc, free_port, stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# policy/profiles/cuda.yaml's llama_server_args (a unit test keeps them equal; the GPU box may lack PyYAML)
+# policy/profiles/cuda.yaml's llama_server_args but --backend-sampling, which this bench measures as a server of its
+# own (np<top>-bs) against these (a unit test keeps them equal; the GPU box may lack PyYAML)
 CUDA_PROFILE_ARGS = ["-fa", "on", "--metrics", "--cache-ram", "-1", "-ub", "512"]
 SAMPLING = {
     "pulse": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},  # what Pulse sends by default

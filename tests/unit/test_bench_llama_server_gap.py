@@ -9,7 +9,8 @@ from policy.profiles import builtin_profiles
 
 
 def test_the_gpu_servers_run_the_cuda_profiles_flags():
-    assert CUDA_PROFILE_ARGS == builtin_profiles()["cuda"].llama_server_args
+    """All of them but --backend-sampling, which the plan adds as a server of its own to measure it."""
+    assert [*CUDA_PROFILE_ARGS, "--backend-sampling"] == builtin_profiles()["cuda"].llama_server_args
 
 
 def test_plan_isolates_slots_queueing_sampling_and_streaming():
