@@ -106,6 +106,8 @@ def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = Non
     ls["extra_args"] = ["--log-timestamps", *args.server_args.split(), *([] if replace else variant.split())]
     doc = {"model": {"path": args.model, "name": args.model},  # one model (naming none serves both bundled ones)
            "workers": {"backend": "llama-server", "count": 1, "llama_server": ls}}
+    if args.gateway_replicas:
+        doc["server"] = {"gateway_replicas": args.gateway_replicas}  # host and port: start_pulse's flags
     if args.queue_deadline:  # Pulse refuses (429) what its queue cannot serve within this; llama-server just queues
         doc["admission"] = {"queue_deadline_s": args.queue_deadline}
     if worker_queue is not None:
@@ -232,6 +234,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=None, help="llama-server -np (default: the device profile's)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="llama-server -c (default: the profile's)")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: Pulse's)")
+    ap.add_argument("--gateway-replicas", type=int, default=None,
+                    help="pulse serve's gateway_replicas (default: from the box's cores, as shipped: 1 on 2 cores, "
+                    "4 on 16), e.g. 4 on a small box to see the replicas' hand-overs the 16-core host has")
     ap.add_argument("--binary", default=None, help="llama-server to run (default: Pulse's cached build)")
     ap.add_argument("--slot-affinity", choices=["on", "off"], default="on",
                     help="off: Pulse sends no id_slot and llama-server picks each slot "

@@ -65,6 +65,11 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     ls = json.loads(config_yaml(args, Path("/tmp"), "=-fa on --cache-ram 0"))["workers"]["llama_server"]
     assert ls["profile_args"] == ["-fa", "on", "--cache-ram", "0"] and ls["extra_args"] == ["--log-timestamps"]
     assert "profile_args" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
+    assert "server" not in json.loads(config_yaml(args, Path("/tmp"), ""))  # the box's replicas
+    four = json.loads(config_yaml(_parse(["--gateway-replicas", "4"]), Path("/tmp"), ""))
+    assert four["server"] == {"gateway_replicas": 4}
+    from policy.config import PulseConfig
+    assert PulseConfig.model_validate(four).server.gateway_replicas == 4
     # a variant's own binary (--variant-binaries) takes the place of --binary's
     assert "binary" not in json.loads(config_yaml(args, Path("/tmp"), ""))["workers"]["llama_server"]
     assert json.loads(config_yaml(args, Path("/tmp"), "", "/opt/up/llama-server"))["workers"]["llama_server"][
