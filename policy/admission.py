@@ -126,7 +126,8 @@ DEFAULT_WORKER_QUEUE = 4
 def worker_queue(w: WorkerLoad, cfg: AdmissionConfig) -> int:
     """Requests beyond its slots `w` may be sent: the operator's admission.worker_queue_max where set, else the
     worker's own figure (its device profile's worker_queue: the GPU engine's scheduler queue, where a finished
-    sequence's place is refilled at the next step instead of after the gateway hears of the end), else 4.
+    sequence's place is refilled at the next step instead of after the gateway hears of the end; llama-server: as
+    many as its slots, in its own queue, which keeps arrival order across the gateway's replicas), else 4.
 
     A deeper worker queue fills the batch past saturation (on the H200, 128 beyond 256 places: decoding sequences
     a step 177-180 -> 214-216 of 256 at 512-1,000 clients, served tok/s 1.06-1.11x, TTFT p50 lower; BENCHMARKS.md,

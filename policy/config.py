@@ -354,8 +354,8 @@ class AdmissionConfig(PulseModel):
     )
     worker_queue_max: int | None = Field(
         None, ge=0, description="Requests beyond its slots a worker may be sent (its own queue) before the gateway "
-        "queues; empty: what the worker says it holds at no cost per step (its device profile's worker_queue: 128 "
-        "on the h200), else 4."
+        "queues; empty: what the worker says it holds at no cost per step (the engine: its device profile's "
+        "worker_queue, 128 on the h200; llama-server: as many as its slots), else 4."
     )
     kv_reserve_fraction: float = Field(
         1.0, ge=0, le=1, description="Share of max_tokens reserved in the worker's KV budget at admission."

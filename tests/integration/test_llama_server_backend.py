@@ -299,6 +299,8 @@ async def test_stats_and_health(served):
     assert await backend.health() and s.healthy
     assert s.slots == 2 and s.running == 0 and s.block_size == 16
     assert s.kv_blocks_total == 4096 // 16 and 0 < s.kv_blocks_used <= s.kv_blocks_total
+    # as many beyond the slots as slots, in llama-server's own queue (arrival order); the gateway's default is 4
+    assert s.queue_max == 2
 
 
 async def test_the_gpu_draw_path_reserves_again_on_every_request_and_answers_right(tmp_path, served):

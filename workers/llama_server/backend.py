@@ -368,8 +368,10 @@ class LlamaServerBackend(Backend):
         slots = sum(len(lane.slots.slots) for lane in self.lanes) or 1
         running = sum(lane.running for lane in self.lanes)
         kv_tokens = self.cfg.kv_tokens or self.profile.kv_cache_tokens
+        # queue_max: as many beyond the slots as there are slots, in llama-server's own queue, which costs nothing a
+        # step and keeps arrival order (the gateway replicas' queues do not across replicas: the README, "Slot choice")
         return BackendStats(
-            running=min(running, slots), waiting=max(0, running - slots), slots=slots,
+            running=min(running, slots), waiting=max(0, running - slots), slots=slots, queue_max=slots,
             kv_blocks_total=len(self.lanes) * kv_tokens // self.block_size,
             kv_blocks_used=sum(lane.slots.used_blocks() for lane in self.lanes),
             block_size=self.block_size,
