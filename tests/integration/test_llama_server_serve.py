@@ -59,6 +59,10 @@ server:
         question = "Name three colours, and for each one say where it is seen in nature. " * 2
         usages = [chat(srv.base, question)[0]["usage"] for _ in range(3)]
         assert any(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usages[1:]), usages
+        # each worker takes as many requests beyond its 2 slots as slots (its own queue_max), not the gateway's 4
+        with urllib.request.urlopen(srv.base + "/pulse/status", timeout=30) as r:
+            workers = json.loads(r.read())["workers"]
+        assert [(w["slots"], w["queue"]) for w in workers] == [(2, 2), (2, 2)], workers
     finally:
         rc = srv.stop()
     assert rc == 0, srv.log()[-3000:]
