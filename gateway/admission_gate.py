@@ -43,8 +43,9 @@ class AdmissionGate:
         self.head_poll_s = poll_s if head_poll_s is None else head_poll_s
         self._clock = clock
         self._drain = DrainRate()
-        # heap of (-priority, fair start tag, arrival, wake-up, tenant): the first three order it
-        self._waiters: list[tuple[int, float, int, asyncio.Event, str]] = []
+        # heap of (-priority, fair start tag, arrival, wake-up, tenant, [its last routing's worker id or None, when
+        # it came]): the first three order it
+        self._waiters: list[tuple[int, float, int, asyncio.Event, str, list]] = []
         self._order = itertools.count()
         self._fair = FairOrder()
         # (the head, whether it waits for what only the workers' next stats show: policy.admission.waits_on_stats)
@@ -92,7 +93,9 @@ class AdmissionGate:
         if since is not None and self._clock() - since >= self.cfg.queue_deadline_s:
             return expired(self._state(ahead_of=None), self.cfg)
         target, request = await route()
-        entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant)
+        came = self._clock() if since is None else since
+        entry = (*self._fair.tag(priority, tenant), next(self._order), asyncio.Event(), tenant,
+                 [_target_id(target), came])
         decision = admit(target, request, self._state(ahead_of=entry), self.cfg)
         if decision.action != "queue":
             self._settle(entry, decision)
@@ -100,7 +103,7 @@ class AdmissionGate:
         heapq.heappush(self._waiters, entry)
         self._note_head(entry, target, request)
         self._drain.busy(self._clock(), True)
-        deadline = (self._clock() if since is None else since) + (decision.deadline_s or self.cfg.queue_deadline_s)
+        deadline = came + (decision.deadline_s or self.cfg.queue_deadline_s)
         decision = None
         try:
             decision = await self._wait(entry, route, deadline, recheck)
@@ -141,6 +144,7 @@ class AdmissionGate:
                 decision = admit(target, request, state, self.cfg)
             if decision.action != "queue":
                 return decision
+            entry[5][0] = _target_id(target)
             self._note_head(entry, target, request)
             poll = self.head_poll_s if state.depth == 0 else recheck_s(self.poll_s, state.depth)
 
@@ -150,9 +154,21 @@ class AdmissionGate:
             self._head_waits = (entry, waits_on_stats(target, request, self.cfg))
 
     def _state(self, ahead_of) -> QueueState:
-        """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of`."""
+        """The queue as `admit` sees it: everyone queued, or only those served before `ahead_of` (and when it came)."""
         waiting = self._waiters if ahead_of is None else [e for e in self._waiters if e[:3] < ahead_of[:3]]
-        return QueueState(Counter(-e[0] for e in waiting), self.drain_rate(), queued=len(self._waiters))
+        return QueueState(Counter(-e[0] for e in waiting), self.drain_rate(), queued=len(self._waiters),
+                          since=None if ahead_of is None else ahead_of[5][1])
+
+    def heads(self) -> dict[str, tuple[int, float]]:
+        """Per worker, the first queued request (in the queue's order) whose last routing chose it: its priority
+        and how long it has waited. The gateway tells each worker its own (WorkerPool's stats poll) so that the
+        replicas that share the worker serve its places in one order (policy.admission.gateway_order)."""
+        now, first = self._clock(), {}
+        for e in self._waiters:
+            worker = e[5][0]
+            if worker is not None and (worker not in first or e[:3] < first[worker][:3]):
+                first[worker] = e
+        return {worker: (-e[0], max(0.0, now - e[5][1])) for worker, e in first.items()}
 
     def _remove(self, entry) -> None:
         try:
@@ -179,3 +195,7 @@ def recheck_s(poll_s: float, ahead: int) -> float:
     if ahead == 0:
         return poll_s
     return min(poll_s * (1 + ahead), max(RECHECK_MAX_S, poll_s * (1 + ahead // POLL_SLOWER_PER)))
+
+
+def _target_id(target: WorkerLoad | None) -> str | None:
+    return None if target is None else target.worker_id

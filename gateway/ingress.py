@@ -76,6 +76,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     gate = AdmissionGate(config.admission, head_poll_s=pool.poll_interval_s)
     pool.queue_depth = lambda: gate.depth  # the workers hear it: replicas share their places by demand
     pool.queue_needs_stats, pool.on_polled = gate.needs_stats, gate.wake  # fast polls only while the queue needs them
+    pool.queue_heads = gate.heads  # ... and its heads: replicas sharing a worker serve its places in one order
     dispatcher = Dispatcher(pool, router, gate, metrics,
                             tracer, context_length=models.default.context_length, index=index)
     auth = KeyAuth(open_key_store(config), open_quota(config), host=config.server.host,

@@ -124,6 +124,8 @@ class WorkerPool:
         # whether this gateway's queue waits for what only the workers' next stats show (set by whoever owns the
         # queue: AdmissionGate.needs_stats); unset: whenever anything waits in it
         self.queue_needs_stats: Callable[[], bool] = lambda: self.queue_depth() > 0
+        # per worker id, its queue's first request for that worker: (priority, seconds waited) (AdmissionGate.heads)
+        self.queue_heads: Callable[[], dict[str, tuple[int, float]]] = dict
         self.on_polled: Callable[[], None] = lambda: None  # after each stats poll (the queue's head re-checks)
 
     async def start(self) -> None:
@@ -186,7 +188,8 @@ class WorkerPool:
         return self._busy_poll if busy else self._poll_interval
 
     async def poll_once(self, blocks: bool = True) -> None:
-        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        heads = self.queue_heads()
+        await asyncio.gather(*(self._poll(w, heads=heads) for w in list(self.workers.values())))
         if blocks and self.block_index is not None:
             await self._sync_blocks()
 
@@ -231,13 +234,17 @@ class WorkerPool:
             if isinstance(result, Exception):  # the stats poll judges health; the index is only a hint
                 log.debug("block pull from %s failed: %s", w.worker_id, result)
 
-    async def _poll(self, w: WorkerState, rediscover: bool = True) -> None:
+    async def _poll(self, w: WorkerState, rediscover: bool = True, heads: dict | None = None) -> None:
         """Refresh one worker's load and health (and its block events); a failure marks it unhealthy and,
-        unless this poll is itself part of a rediscovery, looks the worker up again."""
+        unless this poll is itself part of a rediscovery, looks the worker up again. It tells the worker this
+        gateway's queue: its depth and, where one waits for this worker, its head's priority and wait."""
         assert self._session is not None
         before, w.inflight_peak = w.inflight_peak, w.inflight  # see WorkerState.polled_own
         try:
             url = f"{w.info.url}/stats?gateway={self.gateway_id}&waiting={self.queue_depth()}"
+            head = (heads or {}).get(w.worker_id)
+            if head is not None:
+                url += f"&head={head[0]}:{round(head[1] * 1e3)}"
             async with self._session.get(url, headers=w.auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     raise BackendError(f"stats answered {r.status}")

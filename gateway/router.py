@@ -172,6 +172,9 @@ def load_of(w, sessions: int = 0, shared_pending_prefill: int = 0) -> WorkerLoad
         "block_size": w.info.block_size,
         "sessions": sessions,
         "refused": w.refused,
+        # the other gateways' head for it came that long before the stats were read (admission.gateway_order)
+        "others_head_priority": w.stats.gateways_head_priority,
+        "others_head_since": w.last_seen - w.stats.gateways_head_waited_s,
     })
 
 

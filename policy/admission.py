@@ -24,6 +24,8 @@ Retry-After is the time the queue ahead would take to drain at that rate.
 
 Who goes first among queued requests is `FairOrder`: higher priority first, and within one priority
 start-time fair queueing across tenants (API keys), so one key's flood cannot starve another's requests.
+Across the gateway replicas that share a worker, `gateway_order` lets the replicas' heads go in priority and
+arrival order, and `over_share` splits the places by demand where their heads came close together.
 A request's priority comes from its key (`effective_priority`): a client may ask for less, never more.
 """
 from __future__ import annotations
@@ -51,9 +53,10 @@ def admit(
     too_big = _never_fits(target, request, max_tokens, cfg)
     if too_big is not None:
         return too_big
-    if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg) \
-            and not over_share(target, queue, cfg):
-        return AdmissionDecision("admit", max_tokens=max_tokens)
+    if queue.ahead_of(request.priority) == 0 and _fits_now(target, request, max_tokens, cfg):
+        order = gateway_order(target, request, queue, cfg)
+        if order > 0 or (order == 0 and not over_share(target, queue, cfg)):
+            return AdmissionDecision("admit", max_tokens=max_tokens)
     return _queue_or_reject(request, queue, cfg, max_tokens, target)
 
 
@@ -183,6 +186,32 @@ def over_share(w: WorkerLoad, queue: QueueState, cfg: AdmissionConfig) -> bool:
     others = max(0, w.active - w.inflight) + w.gateways_waiting
     share = max(1, math.floor((w.slots + worker_queue(w, cfg)) * mine / (mine + others) + 0.5))
     return w.inflight >= share
+
+
+def gateway_order(w: WorkerLoad, request: AdmissionRequest, queue: QueueState, cfg: AdmissionConfig) -> int:
+    """Where the asking request stands against the other gateway replicas' queued heads for worker `w` (as the
+    worker last told this gateway): -1 when one of them goes first (a higher priority, or the same one and it came
+    more than `cfg.gateway_order_s` before this request): the place is left to it; 1 when this request goes first
+    (a higher priority than theirs, or it came that much before them): it takes a place whatever its replica's
+    share (`over_share`); 0 when neither, or no other replica's request waits for `w`: the shares decide.
+
+    Each replica refills the places its own requests free the moment they end and hears of the others' only at
+    its next stats poll, so without this a replica's newest arrivals took the places while another replica's
+    older head waited a whole generation more (on the H100, 32 clients on llama-server's 16 slots over 4
+    replicas: requests that had come 10-18 ms before took freed slots while four that had waited 2.18 s were sent
+    beyond the slots; at 64 clients on 16 slots over 2 replicas on the 2-core box, TTFT p99 14.6-19.0 s against
+    llama-server's own 9.5-12.3 s; BENCHMARKS.md, issue 18). Across replicas the order is priority, then arrival:
+    the tenants' turns (FairOrder) hold within a replica's queue, which picks the head it reports. The margin
+    covers the news's age (each replica's word reaches the others one or two stats polls late): a place left to
+    a head another replica has meanwhile sent on stays free until this replica's next poll."""
+    if cfg.gateway_order_s is None or w.others_head_priority is None or queue.since is None:
+        return 0
+    if w.others_head_priority != request.priority:
+        return -1 if w.others_head_priority > request.priority else 1
+    ahead = queue.since - w.others_head_since  # > 0: their head came first
+    if ahead > cfg.gateway_order_s:
+        return -1
+    return 1 if ahead < -cfg.gateway_order_s else 0
 
 
 def queue_capacity(w: WorkerLoad, cfg: AdmissionConfig) -> int:

@@ -357,6 +357,12 @@ class AdmissionConfig(PulseModel):
         "queues; empty: what the worker says it holds at no cost per step (the engine: its device profile's "
         "worker_queue, 128 on the h200; llama-server: as many as its slots), else 4."
     )
+    gateway_order_s: float | None = Field(
+        0.25, ge=0, description="Across gateway replicas sharing a worker: a replica's request leaves a free place to "
+        "another replica's queued head that came this many seconds before it (or has a higher priority), and takes "
+        "one ahead of its share when it came this much before every other replica's head (policy/admission.py "
+        "gateway_order); empty: each replica refills the places its own requests free, in proportion to its demand."
+    )
     kv_reserve_fraction: float = Field(
         1.0, ge=0, le=1, description="Share of max_tokens reserved in the worker's KV budget at admission."
     )

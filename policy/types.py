@@ -58,6 +58,11 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     sessions: int = 0  # x-session-id conversations this gateway placed there, seen within session_idle_s
     gateways_waiting: int = 0  # requests queued in the other gateways' admission queues (their last word to it)
     other_gateways: int = 0  # the other gateways that told it their queue lately (admission pools queue_max with them)
+    # the earliest-come head among the other gateways' queues that waits for this worker (their last word to it):
+    # its priority (None: no other gateway's head waits for it) and when it came, on this gateway's clock
+    # (time.monotonic(): the worker's figure of how long it had waited, taken from when its stats were read)
+    others_head_priority: int | None = None
+    others_head_since: float = 0.0
     refused: bool = False  # it answered 429 (full) since its last stats poll: full until a poll says otherwise
 
     @classmethod
@@ -136,6 +141,9 @@ class QueueState(msgspec.Struct, frozen=True):
     depth_by_priority: Mapping[int, int] = msgspec.field(default_factory=dict)  # queued requests per priority
     drain_rate_per_s: float = 0.0  # requests leaving the queue per second, measured (DrainRate)
     queued: int = 0  # everyone in the queue, those behind the asking request too (its demand: admission's share)
+    # when the asking request came to the gateway (time.monotonic()), for the order across gateway replicas
+    # (admission.gateway_order); None: unknown, no such order
+    since: float | None = None
 
     @property
     def depth(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import time
 
 import cachetools
 from aiohttp import web
@@ -45,7 +46,8 @@ class StreamServer:
         self.worker_id = worker_id
         self._runner: web.AppRunner | None = None
         self.draining = False
-        # each gateway's queue as its latest stats poll gave it: {gateway id: requests waiting there}
+        # each gateway's queue as its latest stats poll gave it: {gateway id: (requests waiting there, its head for
+        # this worker as (priority, when it came on this worker's clock) or None)}
         self._gateways: cachetools.TTLCache = cachetools.TTLCache(GATEWAYS_KEPT, GATEWAY_REPORT_TTL_S)
 
     async def start(self) -> str:
@@ -75,18 +77,31 @@ class StreamServer:
         """The backend's stats. A gateway polling with `?gateway=<its id>&waiting=<its queue>` also says how many
         requests wait in its admission queue, and is told how many wait in the others' (`gateways_waiting`) and how
         many others there are (`other_gateways`), so that each replica takes its share of this worker's places
-        (policy.admission.over_share) and the replicas' queues are one (policy.admission.queue_capacity)."""
+        (policy.admission.over_share) and the replicas' queues are one (policy.admission.queue_capacity). With
+        `&head=<priority>:<ms>` it says its queue's head for this worker has that priority and has waited that
+        long, and is told the others' head that goes first (`gateways_head_priority`, `gateways_head_waited_s`):
+        the replicas serve this worker's places in one order (policy.admission.gateway_order)."""
         gateway = request.query.get("gateway", "")[:64]
+        now = time.monotonic()
         if gateway:
             try:
-                self._gateways[gateway] = max(0, min(int(request.query.get("waiting", "0")), 1 << 20))
+                waiting = max(0, min(int(request.query.get("waiting", "0")), 1 << 20))
+                head = request.query.get("head")  # "<priority>:<ms it has waited>": its head that waits for this one
+                if head is not None:
+                    priority, waited_ms = head.split(":")
+                    head = (max(-1000, min(int(priority), 1000)), now - max(0, min(int(waited_ms), 1 << 30)) / 1e3)
             except ValueError:
-                return _error(400, "waiting must be an integer", "bad_request")
+                return _error(400, "waiting must be an integer and head <priority>:<waited ms>", "bad_request")
+            self._gateways[gateway] = (waiting, head)
         stats = self.backend.stats()
         if self.draining:
             stats.healthy = False
-        others = [n for g, n in self._gateways.items() if g != gateway]
-        stats.gateways_waiting, stats.other_gateways = sum(others), len(others)
+        others = [report for g, report in self._gateways.items() if g != gateway]
+        stats.gateways_waiting, stats.other_gateways = sum(n for n, _ in others), len(others)
+        heads = [head for _, head in others if head is not None]
+        if heads:  # highest priority, then the earliest come
+            priority, since = min(heads, key=lambda h: (-h[0], h[1]))
+            stats.gateways_head_priority, stats.gateways_head_waited_s = priority, max(0.0, now - since)
         return web.Response(body=encode(stats), content_type="application/json")
 
     async def blocks(self, request: web.Request) -> web.Response:

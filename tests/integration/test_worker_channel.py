@@ -183,6 +183,49 @@ async def test_gateways_hear_each_others_queues_through_the_worker(worker):
         await b.close()
 
 
+async def test_gateways_hear_the_head_that_goes_first_among_the_others_queues(worker):
+    """Each gateway tells the worker its queue's head for it (priority and wait) and hears the others' head that
+    goes first across them (the highest priority, then the one that waited longest), with its wait as of the
+    answer: the replicas serve the worker's places in one order (policy.admission.gateway_order). A malformed head
+    is a 400."""
+    srv, url, http = worker
+    info = WorkerInfo("w0", url, "loadtest", secret=srv.secret)
+
+    async def discover(worker_id):
+        return [info]
+
+    pools = [WorkerPool(discover, poll_interval_s=30) for _ in range(3)]
+    a, b, c = pools
+    a.queue_heads = lambda: {"w0": (0, 2.0)}
+    b.queue_heads = lambda: {"w0": (0, 0.5), "elsewhere": (5, 9.0)}  # its head for another worker is not this one's
+    for p in pools:
+        await p.start()
+    try:
+        await a.poll_once()
+        await b.poll_once()
+        await c.poll_once()
+        got = c.workers["w0"].stats
+        assert got.gateways_head_priority == 0 and 2.0 <= got.gateways_head_waited_s < 5.0, got
+        got = a.workers["w0"].stats  # a's own head is not news to a: b's is
+        assert got.gateways_head_priority == 0 and 0.5 <= got.gateways_head_waited_s < 2.0, got
+        b.queue_heads = lambda: {"w0": (1, 0.0)}  # a higher priority goes first, however new
+        await b.poll_once()
+        await c.poll_once()
+        assert c.workers["w0"].stats.gateways_head_priority == 1
+        b.queue_heads = a.queue_heads = dict  # their queues emptied: no head waits for it
+        await a.poll_once()
+        await b.poll_once()
+        await c.poll_once()
+        assert c.workers["w0"].stats.gateways_head_priority is None
+        auth = {"Authorization": f"Bearer {srv.secret}"}
+        for bad in ("1", "x:5", "1:2:3"):
+            async with http.get(url + f"/stats?gateway=x&waiting=1&head={bad}", headers=auth) as r:
+                assert r.status == 400, bad
+    finally:
+        for p in pools:
+            await p.close()
+
+
 async def test_a_gateway_polls_fast_while_requests_wait_anywhere(worker):
     """While requests wait in an admission queue, this gateway's or another's (as the worker tells it), the stats
     poll runs at busy_poll_s, so a place another replica's request freed, or one a replica over its share left free,

@@ -9,6 +9,7 @@ from policy.admission import (
     DrainRate,
     admit,
     expired,
+    gateway_order,
     kv_tokens_needed,
     over_share,
     retry_after,
@@ -113,6 +114,42 @@ def test_without_others_waiting_nothing_changes():
     assert d.action == "admit"
     d = admit(W(total=0, running=3, slots=4, inflight=3, polled_inflight=3, gateways_waiting=20), A(), Q(), cfg)
     assert d.action == "queue"  # 4 places, 4 wanted here, 20 elsewhere: this gateway's share is 1 and it holds 3
+
+
+ORDER_CFG = AdmissionConfig(queue_max=10, worker_queue_max=0, gateway_order_s=0.25)
+# a free place (3 of 4 held, all this gateway's) and another replica with 2 queued; the asking request came at t=10
+FREE = dict(total=0, running=3, slots=4, inflight=3, polled_inflight=3, gateways_waiting=2, other_gateways=1)
+
+
+@pytest.mark.parametrize("name, theirs, mine, cfg, order, action", [
+    ("no head of theirs waits for it: the shares decide", {}, {}, ORDER_CFG, 0, "queue"),
+    ("their head came 1 s before: it goes first", dict(others_head_priority=0, others_head_since=9.0), {}, ORDER_CFG,
+     -1, "queue"),
+    ("within the margin: the shares decide", dict(others_head_priority=0, others_head_since=9.9), {}, ORDER_CFG, 0,
+     "queue"),
+    ("this one came 1 s before theirs: it goes whatever its share",
+     dict(others_head_priority=0, others_head_since=11.0), {}, ORDER_CFG, 1, "admit"),
+    ("theirs has a higher priority", dict(others_head_priority=1, others_head_since=11.0), {}, ORDER_CFG, -1, "queue"),
+    ("this one has the higher priority", dict(others_head_priority=0, others_head_since=5.0), dict(priority=1),
+     ORDER_CFG, 1, "admit"),
+    ("the order off", dict(others_head_priority=0, others_head_since=11.0), {},
+     AdmissionConfig(queue_max=10, worker_queue_max=0, gateway_order_s=None), 0, "queue"),
+])
+def test_the_replicas_heads_go_in_priority_then_arrival_order(name, theirs, mine, cfg, order, action):
+    """This gateway holds 3 of the 4 places and has a queue of its own, so it is over its share (1 of 4 places
+    against the other replica's 2 waiting): the shares alone leave the free place to the other replica. The order
+    across replicas overrides that both ways: a head that came first elsewhere keeps the place even from a request
+    within its share, and a request that came first takes it though its replica is over its share."""
+    w, req, q = W(**FREE, **theirs), A(**mine), QueueState({}, 0.0, queued=3, since=10.0)
+    assert gateway_order(w, req, q, cfg) == order
+    assert admit(w, req, q, cfg).action == action
+    within_share = W(**{**FREE, "running": 1, "inflight": 1, "polled_inflight": 1}, **theirs)
+    assert admit(within_share, req, q, cfg).action == ("queue" if order < 0 else "admit")
+
+
+def test_without_its_arrival_a_request_is_not_ordered_across_replicas():
+    w = W(**FREE, others_head_priority=0, others_head_since=0.0)
+    assert gateway_order(w, A(), QueueState({}, 0.0, queued=1), ORDER_CFG) == 0
 
 
 @pytest.mark.parametrize("configured, said, want", [

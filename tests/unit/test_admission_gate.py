@@ -265,3 +265,32 @@ async def test_a_place_freed_while_the_head_routes_is_not_lost():
     gate.leave()
     d = await asyncio.wait_for(waiter, 2.0)
     assert d.action == "admit"
+
+
+async def test_the_gate_tells_each_worker_its_first_request_for_it_and_how_long_it_has_waited():
+    """`heads()` is what the stats poll tells each worker (policy.admission.gateway_order): per worker, the first
+    request in the queue's order whose last routing chose it, its priority and its wait since it first came (for a
+    request back from a worker's refusal, since it first entered)."""
+    now = [100.0]
+    gate = AdmissionGate(AdmissionConfig(worker_queue_max=0, queue_max=10, queue_deadline_s=30), poll_s=10,
+                         head_poll_s=10, clock=lambda: now[0])
+
+    def full(worker_id: str, priority: int = 0):
+        async def route():
+            return WorkerLoad(worker_id, slots=1, running=1), AdmissionRequest(10, 10, priority=priority)
+        return route
+
+    assert gate.heads() == {}
+    waiters = [asyncio.create_task(gate.enter(full("a"), 0, "t1"))]
+    await asyncio.sleep(0.01)
+    now[0] = 101.0
+    waiters.append(asyncio.create_task(gate.enter(full("a", 2), 2, "t2")))  # behind in time, ahead in order
+    waiters.append(asyncio.create_task(gate.enter(full("b"), 0, "t3", since=99.5)))  # refused once: came at 99.5
+    await asyncio.sleep(0.01)
+    now[0] = 102.0
+    assert gate.depth == 3
+    assert gate.heads() == {"a": (2, 1.0), "b": (0, 2.5)}
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert gate.heads() == {}

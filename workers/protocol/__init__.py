@@ -112,6 +112,10 @@ class BackendStats(msgspec.Struct):
     # in its latest stats poll (workers/stream.py): with several gateway replicas, each takes its share of the places
     gateways_waiting: int = 0
     other_gateways: int = 0  # how many other gateways told it their queue lately: the admission queue is theirs too
+    # of the other gateways' queued heads that wait for this worker, the one that goes first across them (highest
+    # priority, then waited longest): its priority (None: none waits for it) and how long it has waited by now
+    gateways_head_priority: int | None = None
+    gateways_head_waited_s: float = 0.0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     block_size: int = 16
