@@ -23,7 +23,9 @@ with `=` replaces the device profile's llama-server flags instead (`--variants '
 its own llama-server (e.g. llama.cpp without deploy/llama_patches/ against the patched build, same flags), and
 `--variant-worker-queues` its Pulse's `admission.worker_queue_max` (`--variants '' '' --variant-worker-queues '' 4`:
 requests sent beyond llama-server's slots, waiting in its own queue, against none), and `--variant-holds` its worker's
-`workers.llama_server.hold_ms` (`--variants '' '' --variant-holds '' 0`: the hold against none).
+`workers.llama_server.hold_ms` (`--variants '' '' --variant-holds '' 0`: the hold against none), and
+`--variant-configs` any Pulse settings as JSON merged over the rest (`--variants '' '' --variant-configs ''
+'{"admission": {"gateway_order_s": null}}'`: the order across gateway replicas against none).
 `--trace` has every `pulse serve` export its spans to an OTLP receiver in the bench and splits each Pulse run's
 TTFT into the gateway's queue, the hop to the worker, the worker's hold, llama-server's own wait and its prefill
 (bench.request_timeline: `trace_*` metrics, and the slowest tenth's parts in the verdict lines). Recording spans
@@ -86,7 +88,8 @@ def direct_of(name: str) -> str | None:
 
 
 def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = None, worker_queue: int | None = None,
-                hold_ms: float | None = None) -> str:
+                hold_ms: float | None = None, more: dict | None = None) -> str:
+    """`more`: Pulse settings merged over the rest (a variant's --variant-configs)."""
     ls = {"log_dir": str(log_dir)}
     if hold_ms is not None:
         ls["hold_ms"] = hold_ms
@@ -112,7 +115,15 @@ def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = Non
         doc["admission"] = {"queue_deadline_s": args.queue_deadline}
     if worker_queue is not None:
         doc.setdefault("admission", {})["worker_queue_max"] = worker_queue
-    return json.dumps(doc)  # JSON is YAML
+    return json.dumps(_merged(doc, more or {}))  # JSON is YAML
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` merged into `base`, mapping by mapping (a value that is not a mapping replaces base's)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str, variant: int = 0
@@ -253,6 +264,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant-holds", nargs="+", default=[], metavar="MS",
                     help="per variant, in --variants' order, the worker's workers.llama_server.hold_ms ('' or "
                     "missing: Pulse's default), e.g. --variants '' '' --variant-holds '' 0")
+    ap.add_argument("--variant-configs", nargs="+", default=[], metavar="JSON",
+                    help="per variant, in --variants' order, Pulse settings as JSON merged over the rest ('' or "
+                    "missing: none), e.g. --variants '' '' --variant-configs '' '{\"admission\": "
+                    "{\"gateway_order_s\": null}}' (the order across gateway replicas against none)")
     ap.add_argument("--server-args", default="",
                     help="more llama-server flags, one string (workers.llama_server.extra_args; later flags win), "
                     "e.g. --server-args='--cache-ram 0'")
@@ -275,6 +290,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         [float(h) for h in args.variant_holds if h]
     except ValueError:
         ap.error("--variant-holds takes milliseconds or ''")
+    if len(args.variant_configs) > len(args.variants):
+        ap.error("--variant-configs names more configs than there are --variants")
+    try:
+        args.variant_configs = [json.loads(c) if c else {} for c in args.variant_configs]
+    except ValueError as e:
+        ap.error(f"--variant-configs takes JSON objects or '': {e}")
+    if any(not isinstance(c, dict) for c in args.variant_configs):
+        ap.error("--variant-configs takes JSON objects or ''")
     return args
 
 
@@ -293,8 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             binary = args.variant_binaries[v] if v < len(args.variant_binaries) else None
             queue = args.variant_worker_queues[v] if v < len(args.variant_worker_queues) else ""
             hold = args.variant_holds[v] if v < len(args.variant_holds) else ""
+            more = args.variant_configs[v] if v < len(args.variant_configs) else {}
             config = config_yaml(args, vdir, flags, binary, int(queue) if queue else None,
-                                 float(hold) if hold else None)
+                                 float(hold) if hold else None, more)
             pulse, pulse_url, llama_pid, llama_port = start_pulse(config, vdir, procs, args.start_timeout,
                                                                   sink.env() if sink else None)
             paths = {target("direct", v): [Pid(llama_pid)], target("pulse", v): [pulse]}
@@ -305,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traced_cell = sink is not None and tgt == target("pulse", v)  # direct's requests make no spans
                 sink_of, rows_of = (sink, traced.setdefault(name, [])) if traced_cell else (None, None)
                 runs[name] = functools.partial(_measure, s, paths[tgt], pulse, vdir, sink_of, rows_of)
-            label = flags + (f" [worker_queue_max {queue}]" if queue else "") + (f" [hold_ms {hold}]" if hold else "")
+            label = flags + (f" [worker_queue_max {queue}]" if queue else "") + (f" [hold_ms {hold}]" if hold else "") \
+                + (f" [{json.dumps(more)}]" if more else "")
             servers.append((v, label, llama_pid, vdir))
         # SIGINT (bench/gpu_parity.sh's time limit) ends the runs; the ones that ended are summarized
         records, cut = protocol.run_to_limit(runs, args.repeats, args.warmup, not args.quiet, args.loop)

@@ -90,6 +90,17 @@ def test_variants_get_their_own_targets_and_are_set_against_variant_0():
     for bad in (["--variant-holds", "1", "2"], ["--variants", "", "", "--variant-holds", "x"]):
         with pytest.raises(SystemExit):
             _parse(bad)
+    # a variant's own Pulse settings (--variant-configs), merged mapping by mapping over the rest
+    more = _parse(["--variants", "", "", "--variant-configs", "", '{"admission": {"gateway_order_s": null}}'])
+    assert more.variant_configs == [{}, {"admission": {"gateway_order_s": None}}]
+    doc = json.loads(config_yaml(args, Path("/tmp"), "", None, 0, None, more.variant_configs[1]))
+    assert doc["admission"] == {"worker_queue_max": 0, "gateway_order_s": None}
+    assert PulseConfig.model_validate(doc).admission.gateway_order_s is None
+    assert PulseConfig.model_validate(json.loads(config_yaml(args, Path("/tmp"), ""))).admission.gateway_order_s
+    for bad in (["--variant-configs", "{}", "{}"], ["--variants", "", "", "--variant-configs", "", "[1]"],
+                ["--variants", "", "", "--variant-configs", "", "{x"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
     records = [rec("direct/completions/t1exact@8", 0, 500.0, 300.0, 400.0),
                rec("pulse/completions/t1exact@8", 0, 450.0, 320.0, 420.0),
                rec("direct.v1/completions/t1exact@8", 0, 750.0, 100.0, 150.0),
