@@ -13,7 +13,9 @@ frees capacity, `wake()` says the workers' stats were polled (other gateways' re
 gateway's WorkerPool polls fast only while `needs_stats()`), its timer passes, or the deadline passes (then
 the 429 from `expired`). Each wake of the head calls `route()` again, so a queued request may go to whichever
 worker freed up; a waiter behind it calls `recheck()` where given (dispatch: its last routing's target, no new
-decision). Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics.
+decision). Cancellation (client gone) removes the waiter. `depth`, `drain_rate()` are for metrics; `heads()` is what
+the stats poll tells each worker of this queue (its first request for that worker: priority and wait), so that the
+gateway replicas sharing a worker let each other's older heads go first (policy.admission.gateway_order).
 """
 from __future__ import annotations
 
