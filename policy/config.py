@@ -358,7 +358,7 @@ class AdmissionConfig(PulseModel):
         "worker_queue, 128 on the h200; llama-server: as many as its slots), else 4."
     )
     gateway_order_s: float | None = Field(
-        0.25, ge=0, description="Across gateway replicas sharing a worker: a replica's request leaves a free place to "
+        1.0, ge=0, description="Across gateway replicas sharing a worker: a replica's request leaves a free place to "
         "another replica's queued head that came this many seconds before it (or has a higher priority), and takes "
         "one ahead of its share when it came this much before every other replica's head (policy/admission.py "
         "gateway_order); empty: each replica refills the places its own requests free, in proportion to its demand."
