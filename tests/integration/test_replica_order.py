@@ -1,10 +1,11 @@
 """Two gateway replicas in front of one worker serve its place in one order (policy.admission.gateway_order).
 
 A real `pulse serve` with `server.gateway_replicas: 2` and the load-test backend with one place (no queue at the
-worker), each request ~2 s, admission's order as it ships (a margin of 1 s). Replica A's request holds the place; a request to replica B waits in B's queue; later a
-second request reaches A. When A's request ends, A hears of it at once and B only at its next stats poll, so
-without one order across the replicas A's newer request took the place and B's, which had waited longer, waited a
-whole generation more (the TTFT tail of 32-64 clients over 2-4 replicas in front of llama-server, BENCHMARKS.md).
+worker), each request ~2 s, admission's order as it ships (a margin of 1 s). Replica A's request holds the place; a
+request to replica B waits in B's queue; later a second request reaches A. When A's request ends, A hears of it at
+once and B only at its next stats poll, so without one order across the replicas A's newer request took the place
+(in most runs; B's poll sometimes came first) and B's, which had waited longer, waited a whole generation more (the
+TTFT tail of 32-64 clients over 2-4 replicas in front of llama-server, BENCHMARKS.md).
 """
 from __future__ import annotations
 
