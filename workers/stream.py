@@ -99,6 +99,7 @@ class StreamServer:
         others = [report for g, report in self._gateways.items() if g != gateway]
         stats.gateways_waiting, stats.other_gateways = sum(n for n, _ in others), len(others)
         heads = [head for _, head in others if head is not None]
+        stats.gateways_head_priority, stats.gateways_head_waited_s = None, 0.0
         if heads:  # highest priority, then the earliest come
             priority, since = min(heads, key=lambda h: (-h[0], h[1]))
             stats.gateways_head_priority, stats.gateways_head_waited_s = priority, max(0.0, now - since)
