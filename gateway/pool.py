@@ -281,7 +281,7 @@ class WorkerPool:
                     if info.url != state.info.url:  # a new process (Ray restarted it): the old one's failures
                         state.failures, state.open_until = 0, 0.0  # do not keep the new one out of routing
                     state.info = info
-                    await self._poll(state, rediscover=False)
+                    await self._poll(state, rediscover=False, heads=self.queue_heads())
             except Exception as e:  # the worker may still be restarting: the next poll tries again
                 log.info("rediscovery of %s failed: %s", worker_id, e)
             finally:
