@@ -53,6 +53,7 @@ from bench.llama_server_overhead import PROMPT, Pid, prompt_ids, start_pulse
 from bench.loadgen import LoadSpec
 from bench.machine import checked_machine_info
 from bench.procs import Proc, owned_processes
+from pulse.config import merge
 from tests.otlp_sink import OtlpSink
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -115,15 +116,7 @@ def config_yaml(args, log_dir: Path, variant: str = "", binary: str | None = Non
         doc["admission"] = {"queue_deadline_s": args.queue_deadline}
     if worker_queue is not None:
         doc.setdefault("admission", {})["worker_queue_max"] = worker_queue
-    return json.dumps(_merged(doc, more or {}))  # JSON is YAML
-
-
-def _merged(base: dict, over: dict) -> dict:
-    """`over` merged into `base`, mapping by mapping (a value that is not a mapping replaces base's)."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return json.dumps(merge(doc, more or {}))  # JSON is YAML
 
 
 def specs(args, ids: list[int], pulse_url: str, model: str, direct_url: str, variant: int = 0
