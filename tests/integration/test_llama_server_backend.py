@@ -9,14 +9,18 @@ import pytest_asyncio
 
 from bench import llama_server_log, llama_server_stall
 from cache.hashing import chain_hashes
+from policy.profiles import builtin_profiles
 from tests.integration.llama_server_helpers import (
     collect,
     direct_answer,
     encode,
     make_backend,
+    make_config,
     request,
 )
+from workers.llama_server.backend import LlamaServerBackend
 from workers.protocol import BackendError, SamplingParams
+from workers.protocol.model import SMOLLM2_BUNDLED, load_model_info, load_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -357,5 +361,43 @@ async def test_requests_pinned_to_busy_slots_all_finish_with_their_own_answers(t
             got = await asyncio.gather(*(asyncio.to_thread(post, b) for b in round_))
             for i, want in alone.items():
                 assert got[i] == want, (n, i, got[i], want)
+    finally:
+        await backend.close()
+
+
+async def test_a_prompt_saved_from_interleaved_cells_comes_back_whole(tmp_path, monkeypatch):
+    """llama-server's RAM prompt cache saves a slot's sequence (`llama_state_seq_get_data`) when a launch is about to
+    discard it, and loads it back for a later request that starts with it. Two slots decoding together take one cell
+    each per step of the unified KV, so a generated sequence is dozens of one-cell ranges a layer; on GPU buffers
+    deploy/llama_patches/0003 reads such ranges as one span and copies them out on the host, and
+    PULSE_STATE_COPY_GAP makes this CPU build take that path too. A note generated beside another, displaced from its
+    slot by a third prompt, then continued: llama-server takes all of it back from the cache (it evaluates one token)
+    and goes on with the tokens the note gives alone. SmolLM2, not Gemma: with Gemma's sliding-window layers
+    llama-server rolls a restored sequence back to its last context checkpoint (the prompt's end) and evaluates the
+    generated part again, so the interleaved cells would never be read back (checked: a build copying them from the
+    wrong place of the span passed with Gemma and failed here)."""
+    monkeypatch.setenv("PULSE_STATE_COPY_GAP", "65536")
+    smol = load_model_info(SMOLLM2_BUNDLED)
+    backend = LlamaServerBackend(make_config(tmp_path, slots=2), builtin_profiles()["cpu"], smol, worker_id="t")
+    await backend.start()
+    tok = load_tokenizer(SMOLLM2_BUNDLED)
+
+    def post(body: dict) -> dict:
+        return direct_answer(backend, {"cache_prompt": True, "temperature": 0.0, **body}, timeout=60)
+
+    # counting: a greedy continuation with a wide margin at every token (test_requests_pinned_to_busy_slots_...)
+    a, b = (tok.encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",",
+                       add_special_tokens=False).ids for i in (1, 2))
+    try:
+        first, _ = await asyncio.gather(asyncio.to_thread(post, {"prompt": a, "n_predict": 32, "id_slot": 0}),
+                                        asyncio.to_thread(post, {"prompt": b, "n_predict": 40, "id_slot": 1}))
+        post({"prompt": tok.encode(PROMPT, add_special_tokens=False).ids, "n_predict": 4, "id_slot": 0})  # to RAM
+        again = post({"prompt": a + first["tokens"], "n_predict": 16, "id_slot": 0})
+        # taken back from the cache with its generated (interleaved) part, not evaluated again
+        assert again["timings"]["cache_n"] >= len(a) + 16 and again["timings"]["prompt_n"] < 8, again["timings"]
+        # the reference last, alone and uncached, so that the cache held no other copy of the note to load
+        ref = post({"prompt": a, "n_predict": 48, "id_slot": 1, "cache_prompt": False})["tokens"]
+        assert first["tokens"] == ref[:32]
+        assert again["tokens"] == ref[32:48], (again["tokens"], ref[32:48])
     finally:
         await backend.close()
