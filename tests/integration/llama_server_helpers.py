@@ -1,6 +1,8 @@
 """Shared set-up of the llama-server integration tests: the real binary, the real bundled model."""
 from __future__ import annotations
 
+import asyncio
+
 import os
 from pathlib import Path
 
@@ -88,3 +90,22 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def interleaved_restore(post, encode) -> tuple[dict, dict, list[int]]:
+    """deploy/llama_patches/0003's round on a server of 2 slots with the RAM prompt cache on: a note generated on slot
+    0 beside another on slot 1 (one cell each per step of the unified KV, so the note's state is dozens of one-cell
+    ranges a layer), displaced to the RAM cache by a third prompt, then continued on slot 0. `post(body)` answers
+    llama-server's /completion (greedy, cache_prompt on), `encode(text)` gives a prompt's ids. Returns the note's
+    first 32 tokens' answer, the continuation's answer (16 tokens) and the note's 48 tokens alone, asked last and
+    uncached so that the cache held no other copy of the note to load. Counting: a greedy continuation with a wide
+    margin at every token, so batching's rounding does not flip it."""
+    a, b = (encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",")
+            for i in (1, 2))
+    first, _ = await asyncio.gather(asyncio.to_thread(post, {"prompt": a, "n_predict": 32, "id_slot": 0}),
+                                    asyncio.to_thread(post, {"prompt": b, "n_predict": 40, "id_slot": 1}))
+    post({"prompt": encode("The three primary colours are red, yellow and blue."), "n_predict": 4, "id_slot": 0})
+    again = post({"prompt": a + first["tokens"], "n_predict": 16, "id_slot": 0})
+    ref = post({"prompt": a, "n_predict": 48, "id_slot": 1, "cache_prompt": False})["tokens"]
+    return first, again, ref
+

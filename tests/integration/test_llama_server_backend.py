@@ -14,6 +14,7 @@ from tests.integration.llama_server_helpers import (
     collect,
     direct_answer,
     encode,
+    interleaved_restore,
     make_backend,
     make_config,
     request,
@@ -385,18 +386,10 @@ async def test_a_prompt_saved_from_interleaved_cells_comes_back_whole(tmp_path, 
     def post(body: dict) -> dict:
         return direct_answer(backend, {"cache_prompt": True, "temperature": 0.0, **body}, timeout=60)
 
-    # counting: a greedy continuation with a wide margin at every token (test_requests_pinned_to_busy_slots_...)
-    a, b = (tok.encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",",
-                       add_special_tokens=False).ids for i in (1, 2))
     try:
-        first, _ = await asyncio.gather(asyncio.to_thread(post, {"prompt": a, "n_predict": 32, "id_slot": 0}),
-                                        asyncio.to_thread(post, {"prompt": b, "n_predict": 40, "id_slot": 1}))
-        post({"prompt": tok.encode(PROMPT, add_special_tokens=False).ids, "n_predict": 4, "id_slot": 0})  # to RAM
-        again = post({"prompt": a + first["tokens"], "n_predict": 16, "id_slot": 0})
-        # taken back from the cache with its generated (interleaved) part, not evaluated again
-        assert again["timings"]["cache_n"] >= len(a) + 16 and again["timings"]["prompt_n"] < 8, again["timings"]
-        # the reference last, alone and uncached, so that the cache held no other copy of the note to load
-        ref = post({"prompt": a, "n_predict": 48, "id_slot": 1, "cache_prompt": False})["tokens"]
+        first, again, ref = await interleaved_restore(post, lambda t: tok.encode(t, add_special_tokens=False).ids)
+        # taken back from the cache with its generated (interleaved) part: a few of its ~100 tokens evaluated again
+        assert again["timings"]["prompt_n"] < 8, again["timings"]
         assert first["tokens"] == ref[:32]
         assert again["tokens"] == ref[32:48], (again["tokens"], ref[32:48])
     finally:
