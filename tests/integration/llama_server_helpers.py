@@ -92,20 +92,32 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-async def interleaved_restore(post, encode) -> tuple[dict, dict, list[int]]:
-    """deploy/llama_patches/0003's round on a server of 2 slots with the RAM prompt cache on: a note generated on slot
-    0 beside another on slot 1 (one cell each per step of the unified KV, so the note's state is dozens of one-cell
-    ranges a layer), displaced to the RAM cache by a third prompt, then continued on slot 0. `post(body)` answers
-    llama-server's /completion (greedy, cache_prompt on), `encode(text)` gives a prompt's ids. Returns the note's
-    first 32 tokens' answer, the continuation's answer (16 tokens) and the note's 48 tokens alone, asked last and
-    uncached so that the cache held no other copy of the note to load. Counting: a greedy continuation with a wide
-    margin at every token, so batching's rounding does not flip it."""
+async def check_interleaved_restore(backend) -> None:
+    """deploy/llama_patches/0003's round on a started `backend` of 2 slots serving SmolLM2 with llama-server's RAM
+    prompt cache on: a note generated on slot 0 beside another on slot 1 (one cell each per step of the unified KV, so
+    the note's state is dozens of one-cell ranges a layer), displaced to the RAM cache by a third prompt, then
+    continued on slot 0. llama-server must take all of it back from the cache (a few of its ~100 tokens evaluated
+    again) and go on with the tokens the note gives alone, asked last and uncached so that the cache held no other
+    copy of the note to load. SmolLM2, not Gemma: with Gemma's sliding-window layers llama-server rolls a restored
+    sequence back to its last context checkpoint (the prompt's end) and evaluates the generated part again, so the
+    interleaved cells would never be read back (checked: a build copying them from the wrong place of the span
+    passed with Gemma and failed with SmolLM2). Counting: a greedy continuation with a wide margin at every token, so
+    batching's rounding does not flip it."""
+    tok = load_tokenizer(str(backend.model.path))
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    def post(body: dict) -> dict:
+        return direct_answer(backend, {"cache_prompt": True, "temperature": 0.0, **body}, timeout=60)
+
     a, b = (encode(f"Note {i}: counting up, " + ", ".join(str(n) for n in range(100 * i + 11, 100 * i + 23)) + ",")
             for i in (1, 2))
     first, _ = await asyncio.gather(asyncio.to_thread(post, {"prompt": a, "n_predict": 32, "id_slot": 0}),
                                     asyncio.to_thread(post, {"prompt": b, "n_predict": 40, "id_slot": 1}))
     post({"prompt": encode("The three primary colours are red, yellow and blue."), "n_predict": 4, "id_slot": 0})
     again = post({"prompt": a + first["tokens"], "n_predict": 16, "id_slot": 0})
+    assert again["timings"]["prompt_n"] < 8, again["timings"]  # the whole note came back from the cache
     ref = post({"prompt": a, "n_predict": 48, "id_slot": 1, "cache_prompt": False})["tokens"]
-    return first, again, ref
-
+    assert first["tokens"] == ref[:32]
+    assert again["tokens"] == ref[32:48], (again["tokens"], ref[32:48])
