@@ -11,10 +11,10 @@ from bench import llama_server_log, llama_server_stall
 from cache.hashing import chain_hashes
 from policy.profiles import builtin_profiles
 from tests.integration.llama_server_helpers import (
+    check_interleaved_restore,
     collect,
     direct_answer,
     encode,
-    check_interleaved_restore,
     make_backend,
     make_config,
     request,
