@@ -75,9 +75,11 @@ def upstream_app(tokens: int = 16, rate: float = 0.0, ttft: float = 0.0) -> web.
         first_token = 1 if chat else 0  # a chat stream opens with its role event
         for i, event in enumerate(stream_events(chat, model, n, usage)):
             # the role event and the first token go at once, later tokens at the rate, and the finish and usage
-            # events right after the last token, as Pulse's load-test backend sends its stream
-            if rate and first_token < i < first_token + n:
-                await asyncio.sleep(1.0 / rate)
+            # events right after the last token, as Pulse's load-test backend sends its stream; with no rate the
+            # loop still gets a turn before each later token, as the load-test backend gives it (a real server
+            # sends a token a step)
+            if first_token < i < first_token + n:
+                await asyncio.sleep(1.0 / rate if rate else 0)
             elif ttft and i == first_token:  # an engine's prefill before the first token
                 await asyncio.sleep(ttft)
             await resp.write(sse(event))

@@ -61,6 +61,47 @@ async def test_the_bench_upstream_paces_only_between_tokens(path, ttft):
     assert ttft + 0.2 <= total < ttft + 0.28
 
 
+async def test_with_no_rate_the_upstream_and_the_backend_give_the_loop_a_turn_before_each_later_token():
+    """At --rate 0 (bench/gateway_overhead.py's default) both test doubles still yield before each token after the
+    first, as a server sending a token a step does: the upstream had written its whole stream in one turn while the
+    backend yielded, which left Pulse's path alone paying a loop turn a token. A ticker on the same loop counts the
+    turns it gets while one 200-token stream is made."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from bench.relay import upstream_app
+
+    n = 200
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    config = PulseConfig.model_validate({"workers": {"backend": "loadtest", "loadtest": {"tokens": n}}})
+    backend = LoadTestBackend(config, worker_id="w0")
+    async with TestServer(upstream_app(tokens=n), host="127.0.0.1") as server:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "stream": True, "max_tokens": n, "prompt": "x"}
+            for source in ("upstream", "backend"):
+                task = asyncio.create_task(ticker())
+                await asyncio.sleep(0)
+                ticks, got = 0, 0
+                if source == "upstream":
+                    async with session.post(server.make_url("/v1/completions"), json=body) as r:
+                        got = (await r.read()).count(b" tok")
+                else:
+                    async for chunk in backend.generate(GenerateRequest(request_id="r", prompt_ids=[1], max_tokens=n)):
+                        got += len(chunk.token_ids)
+                task.cancel()
+                assert got == n, source
+                assert ticks >= n - 1, (source, ticks)
+
+
 async def test_with_a_batch_the_rest_wait_inside_in_arrival_order_and_stats_say_the_places():
     """`batch`: that many streams generate at once and the others wait inside the backend (an engine's scheduler
     queue), first come first served; its stats report `batch` slots, the waiting and `worker_queue`, as an engine's
