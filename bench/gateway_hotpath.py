@@ -1,7 +1,7 @@
 """CPU of per-request pieces of the gateway's hot path, with and without their cheaper form.
 
 - spans: a request's root span plus three child spans (auth, admission, route) and the trace context sent to
-  the worker, with no exporter configured: the SDK tracer against QuietTracer (gateway/spans.py);
+  the worker, with no exporter configured: the SDK tracer against QuietTracer (workers/protocol/spans.py);
 - deltas: 16 streamed text deltas of a chat completion, each chunk built and JSON-encoded whole against
   ChatEvents' pre-encoded frame around the text (gateway/completions.py);
 - worker leg: one generate request of 16 tokens to a real StreamServer (load-test backend) in this process,
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 def cases() -> dict[str, Callable[[], object]]:
     from gateway.completions import ChatEvents, _event
     from gateway.responses import Shaper
-    from gateway.spans import QuietTracer
+    from workers.protocol.spans import QuietTracer
     from policy.config import TelemetryConfig
     from workers.protocol import telemetry as tm
 

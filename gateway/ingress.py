@@ -58,7 +58,7 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     from gateway.metrics import GatewayMetrics
     from gateway.quota import open_quota
     from gateway.router import PrefixRouter
-    from gateway.spans import QuietTracer
+    from workers.protocol.spans import QuietTracer
     from workers.protocol import telemetry as tm
 
     models = ModelCatalog.build(config)

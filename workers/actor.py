@@ -120,6 +120,7 @@ class WorkerActor:
             if self.publisher is not None:
                 await self.publisher.start()
             from workers.protocol import telemetry as tm
+            from workers.protocol.spans import QuietTracer
 
             provider = tm.setup_tracing(self.config.telemetry, role="worker")
             ctx = self.config.model.context_length or min(model.context_length, profile.context_length)
@@ -128,7 +129,7 @@ class WorkerActor:
                                    max_stop_strings=srv.max_stop_strings, max_stop_length=srv.max_stop_length)
             # "all interfaces" means the node's own address (where other nodes reach it), not every one
             self.server = StreamServer(self.backend, host=advertised_host(self.bind_host), worker_id=self.worker_id,
-                                       tracer=provider.get_tracer("pulse.worker"), limits=limits,
+                                       tracer=QuietTracer(provider.get_tracer("pulse.worker")), limits=limits,
                                        block_log=None if self.publisher else self.block_log,
                                        models=tuple(self.config.model.ids))
             url = await self.server.start()

@@ -1,7 +1,7 @@
 """The gateway's QuietTracer: real child spans when spans are recorded, none when they are not."""
 from __future__ import annotations
 
-from gateway.spans import QuietTracer
+from workers.protocol.spans import QuietTracer
 from policy.config import TelemetryConfig
 from workers.protocol import telemetry as t
 

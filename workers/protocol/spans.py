@@ -1,4 +1,4 @@
-"""The gateway's tracer: child spans cost nothing when the request's span is not recorded.
+"""The gateway's and the workers' tracer: spans cost little when nothing records them.
 
 With no exporter configured the SDK's sampler is off, yet every `start_as_current_span` still builds a
 span object, draws random ids and swaps the context: four spans a request were ~80 µs of gateway CPU,
@@ -7,7 +7,9 @@ and the trace context sent to the worker); a child of a span that is not recordi
 caller's `with ... as span` gets the parent, whose `set_attribute` is a no-op. With the sampler off
 (nothing exports) the root span is made here as the SDK makes it then, a NonRecordingSpan with a fresh span
 id and the incoming trace id (or a fresh one), without the SDK's sampling call and context-manager layers.
-When spans are exported, every call goes to the real tracer unchanged.
+When spans are exported, every call goes to the real tracer unchanged. A worker's two spans a request (prefill,
+decode: children of the gateway's context, passed explicitly) take the NonRecordingSpan path when nothing exports:
+16-21 against 27-36 µs a request with the SDK's tracer on the 2-core box (its stream server, 2026-12-07).
 """
 from __future__ import annotations
 
