@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 def cases() -> dict[str, Callable[[], object]]:
     from gateway.completions import ChatEvents, _event
     from gateway.responses import Shaper
-    from workers.protocol.spans import QuietTracer
     from policy.config import TelemetryConfig
     from workers.protocol import telemetry as tm
+    from workers.protocol.spans import QuietTracer
 
     raw = tm.setup_tracing(TelemetryConfig(traces_exporter="none"), "gateway", set_global=False).get_tracer("bench")
     shaper = Shaper("chat", "chatcmpl-0123456789abcdef", 1_700_000_000, "gemma-3-270m", str)

@@ -58,8 +58,8 @@ def build_gateway(config: PulseConfig, discover: Discover) -> Gateway:
     from gateway.metrics import GatewayMetrics
     from gateway.quota import open_quota
     from gateway.router import PrefixRouter
-    from workers.protocol.spans import QuietTracer
     from workers.protocol import telemetry as tm
+    from workers.protocol.spans import QuietTracer
 
     models = ModelCatalog.build(config)
     index = build_index(config)

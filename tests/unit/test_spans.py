@@ -1,9 +1,9 @@
-"""The gateway's QuietTracer: real child spans when spans are recorded, none when they are not."""
+"""QuietTracer (the gateway's and the workers'): real child spans when spans are recorded, none when they are not."""
 from __future__ import annotations
 
-from workers.protocol.spans import QuietTracer
 from policy.config import TelemetryConfig
 from workers.protocol import telemetry as t
+from workers.protocol.spans import QuietTracer
 
 
 def _run(tracer) -> tuple[object, object]:
