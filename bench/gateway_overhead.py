@@ -39,7 +39,7 @@ from pathlib import Path
 from bench import loops, protocol
 from bench.loadgen import LoadSpec, run_load
 from bench.machine import checked_machine_info
-from bench.procs import Proc, Served, cpu_ticks, owned_processes, python_module
+from bench.procs import Proc, Served, cpu_ticks, owned_processes, python_module, rss_mib
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS, GOAL_P99_MS, GOAL_REQ_RATIO, GOAL_CPU_RATIO = 2.0, 10.0, 0.8, 1.2
@@ -189,20 +189,6 @@ async def _load_with_cpu(spec: LoadSpec, path: list[Proc]) -> dict:
     if GATEWAY_PROCESS in by_name:  # Pulse's gateway replicas alone (HTTP in, the chat core, the worker leg)
         out["metrics"]["gateway_cpu_ms_per_req"] = by_name[GATEWAY_PROCESS]
     out["cpu_ms_per_req_by_process"] = {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
-    return out
-
-
-def rss_mib(pids: list[int]) -> dict[str, float]:
-    """Resident memory in MiB by process name, over the pids still running."""
-    page = os.sysconf("SC_PAGE_SIZE") / 2**20
-    out: dict[str, float] = {}
-    for pid in pids:
-        try:
-            resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except (OSError, IndexError, ValueError):
-            continue
-        out[name] = out.get(name, 0.0) + resident * page
     return out
 
 

@@ -9,8 +9,10 @@ box's slices of time:
 
     python -m bench.idle_cpu --variants default RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 --repeats 3 --warmup 0
 
-The table: total % of a core, and the processes that take most of it (Ray's workers by their title:
-ServeController, the gateway replica, the worker actor; Ray's daemons by name).
+The table: total % of a core, the resident memory of every process `pulse serve` started (MiB, Ray's
+included), how many processes and how many of them are Ray's idle workers (`ray::IDLE`), and the processes
+that take most of the CPU (Ray's workers by their title: ServeController, the gateway replica, the worker
+actor; Ray's daemons by name).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from bench import protocol
 from bench.machine import checked_machine_info
-from bench.procs import Proc, cpu_ticks, free_port, title
+from bench.procs import Proc, cpu_ticks, free_port, rss_mib, title
 
 OUT_DIR = Path(__file__).resolve().parent / "results"
 
@@ -69,9 +71,11 @@ async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
         await asyncio.sleep(args.seconds)
         after = cpu_ticks(pids)
         by = per_process_pct(before, after, args.seconds, titles)
+        rss = sum(rss_mib(list(after)).values())
     finally:
         await asyncio.to_thread(proc.stop)
-    metrics = {"total_pct_core": sum(by.values())}
+    metrics = {"total_pct_core": sum(by.values()), "rss_mib": rss, "processes": len(after),
+               "ray_idle_workers": sum(t == "ray::IDLE" for pid, t in titles.items() if pid in after)}
     metrics.update({f"pct:{k}": v for k, v in by.items()})
     return {"metrics": metrics}
 
@@ -103,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = [f"{v}: {summary[v]['total_pct_core']['median']:.2f}% of a core idle (median of "
                f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary]
     protocol.publish("idle_cpu", records, summary, vars(args) | {"out": str(args.out)}, started, machine, verdict,
-                     ["total_pct_core", *top], ["total_pct_core"], args.out)
+                     ["total_pct_core", "rss_mib", "processes", "ray_idle_workers", *top], ["total_pct_core"], args.out)
     return 0
 
 

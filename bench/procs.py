@@ -112,6 +112,20 @@ def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
     return out
 
 
+def rss_mib(pids: list[int]) -> dict[str, float]:
+    """Resident memory in MiB by process name, over the pids still running."""
+    page = os.sysconf("SC_PAGE_SIZE") / 2**20
+    out: dict[str, float] = {}
+    for pid in pids:
+        try:
+            resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + resident * page
+    return out
+
+
 class Proc:
     """One started process with a log file; use as a context manager or call stop()."""
 

@@ -21,7 +21,14 @@ SERVING_ENV = {"RAY_worker_niceness": "0"}
 # Pulse's deployments have a fixed replica count and no autoscaling, so a round a second is enough: a dead
 # replica is still found by its health check (every 5 s) and replaced within a second of it. 0.7% and 0.6% then,
 # which on a 2-core box running llama-server is CPU its decode threads get back. An explicit setting wins.
-CONTROL_PLANE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
+#
+# The raylet also starts one idle Python worker per core (`ray::IDLE`) when the first driver connects, for tasks
+# to start on without a process start. Pulse runs no tasks: its actors carry a runtime_env (SERVING_ENV), so
+# Ray starts each its own process and never hands them an idle one, and the Serve controller is the only
+# actor that took one. The rest stayed idle for the whole serve, each ~80 MiB resident and ~0.7% of a core
+# (the 2-core box kept 1; a 16-core host ~15, about 1.2 GiB and a tenth of a core; bench/idle_cpu.py's
+# `ray_idle_workers`). Ray starts a worker when one is needed either way.
+CONTROL_PLANE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_prestart_worker_first_driver": "0"}
 
 
 def quiet_control_plane(environ=os.environ) -> None:

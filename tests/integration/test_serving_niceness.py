@@ -61,3 +61,12 @@ def test_the_serve_controller_reconciles_once_a_second(loadtest_server):
     (controller,) = [p for p, t in procs.items() if t.startswith("ray::ServeController")]
     env = dict(v.split(b"=", 1) for v in Path(f"/proc/{controller}/environ").read_bytes().split(b"\0") if b"=" in v)
     assert env.get(b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == b"1", sorted(env)
+
+
+def test_ray_keeps_no_idle_workers_that_pulse_never_uses(loadtest_server):
+    """Ray's raylet starts an idle Python worker per core for tasks when the first driver connects; Pulse runs
+    no tasks and its actors each get a process of their own (their runtime_env), so `pulse serve` turns that off
+    (workers/ray_env.py): no `ray::IDLE` process under it, each of which held ~80 MiB for the whole serve."""
+    procs = {pid: title(pid) for pid in descendants(loadtest_server.proc.pid)}
+    assert any(t.startswith("ray::WorkerActor") for t in procs.values()), procs  # Ray's workers are seen here
+    assert not [t for t in procs.values() if t.startswith("ray::IDLE")], procs

@@ -13,7 +13,7 @@ def test_serving_runtime_env_sets_nice_0_and_keeps_the_callers_variables():
 def test_quiet_control_plane_sets_defaults_and_keeps_an_explicit_setting():
     env: dict = {}
     quiet_control_plane(env)
-    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
-    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_prestart_worker_first_driver": "0"}
+    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_prestart_worker_first_driver": "1"}
     quiet_control_plane(env)
-    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_prestart_worker_first_driver": "1"}
