@@ -10,9 +10,10 @@ box's slices of time:
     python -m bench.idle_cpu --variants default RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 --repeats 3 --warmup 0
 
 The table: total % of a core, the resident memory of every process `pulse serve` started (MiB, Ray's
-included), how many processes and how many of them are Ray's idle workers (`ray::IDLE`), and the processes
-that take most of the CPU (Ray's workers by their title: ServeController, the gateway replica, the worker
-actor; Ray's daemons by name).
+included), how many processes and how many of them are Ray's idle workers (`ray::IDLE`), the processes
+that hold the most memory (`rss:`, MiB; the driver is `pulse serve` itself) and those that take most of the
+CPU (Ray's workers by their title: ServeController, the gateway replica, the worker actor; Ray's daemons by
+name).
 """
 from __future__ import annotations
 
@@ -71,12 +72,17 @@ async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
         await asyncio.sleep(args.seconds)
         after = cpu_ticks(pids)
         by = per_process_pct(before, after, args.seconds, titles)
-        rss = sum(rss_mib(list(after)).values())
+        rss = {pid: sum(rss_mib([pid]).values()) for pid in after}
     finally:
         await asyncio.to_thread(proc.stop)
-    metrics = {"total_pct_core": sum(by.values()), "rss_mib": rss, "processes": len(after),
+    rss_by: dict[str, float] = {}
+    for pid, mib in rss.items():
+        key = titles.get(pid, "pulse serve (driver)" if pid == proc.popen.pid else after[pid][0])
+        rss_by[key] = rss_by.get(key, 0.0) + mib
+    metrics = {"total_pct_core": sum(by.values()), "rss_mib": sum(rss.values()), "processes": len(after),
                "ray_idle_workers": sum(t == "ray::IDLE" for pid, t in titles.items() if pid in after)}
     metrics.update({f"pct:{k}": v for k, v in by.items()})
+    metrics.update({f"rss:{k}": v for k, v in rss_by.items()})
     return {"metrics": metrics}
 
 
@@ -88,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="how long each reading lasts")
     ap.add_argument("--settle", type=float, default=10.0, help="wait after healthy before reading")
     ap.add_argument("--start-timeout", type=float, default=180.0)
-    ap.add_argument("--top", type=int, default=8, help="processes shown in the table")
+    ap.add_argument("--top", type=int, default=8, help="processes shown in the table by their CPU")
+    ap.add_argument("--rss-top", type=int, default=4, help="processes shown in the table by their resident memory")
     protocol.add_arguments(ap, OUT_DIR)
     args = ap.parse_args(argv)
     envs = {v: variant_env(v) for v in args.variants}
@@ -104,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if k.startswith("pct:"):
                 share[k] = max(share.get(k, 0.0), v["median"])
     top = sorted(share, key=lambda k: -share[k])[: args.top]
+    resident: dict[str, float] = {}
+    for s in summary.values():
+        for k, v in s.items():
+            if k.startswith("rss:"):
+                resident[k] = max(resident.get(k, 0.0), v["median"])
+    top += sorted(resident, key=lambda k: -resident[k])[: args.rss_top]
     verdict = [f"{v}: {summary[v]['total_pct_core']['median']:.2f}% of a core idle (median of "
                f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary]
     protocol.publish("idle_cpu", records, summary, vars(args) | {"out": str(args.out)}, started, machine, verdict,

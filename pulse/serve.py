@@ -136,12 +136,16 @@ def deploy_gateway(config: PulseConfig, names: list[str]) -> str:
 def serve_main(config: PulseConfig) -> int:
     import ray
 
-    from workers.protocol.model import load_model_info, load_tokenizer
+    from workers.protocol.model import derive_apart, load_model_info
 
     for model in config.models:
         print(f"pulse: preparing model {model.name} ({model.path or 'bundled Gemma 3 270M'})", flush=True)
+        try:  # derived once, in a child process, so workers and gateways read the cache
+            derive_apart(model.path)
+        except ValueError as e:
+            print(f"pulse: model {model.name}: {e}", file=sys.stderr, flush=True)
+            return 2
         info = load_model_info(model.path)
-        load_tokenizer(model.path)  # derived once here so workers and gateways read the cache
         if config.for_model(model).workers.backend == "cupy":
             from workers.cupy.models import check_architecture
 
