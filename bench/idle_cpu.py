@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench import protocol
 from bench.machine import checked_machine_info
-from bench.procs import Proc, cpu_ticks, free_port, rss_mib, title
+from bench.procs import Proc, cpu_ticks, free_port, owned_processes, rss_mib, title
 
 OUT_DIR = Path(__file__).resolve().parent / "results"
 
@@ -57,11 +57,14 @@ def per_process_pct(before: dict, after: dict, seconds: float, titles: dict[int,
     return out
 
 
-async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
+async def measure_once(args, env: dict[str, str], log_dir: Path, procs: list) -> dict:
+    """One reading; `procs` (owned_processes') holds the server while it runs, so that a SIGTERM to the bench
+    (a time limit) stops it too: it runs in a session of its own, which a kill of the bench's group misses."""
     port = free_port()
     argv = [sys.executable, "-m", "pulse.cli", "serve", "--backend", args.backend, "--host", "127.0.0.1",
             "--port", str(port), *(["--config", args.config] if args.config else [])]
     proc = Proc(f"pulse-{port}", argv, log_dir, env=env)
+    procs.append(proc)
     try:
         await asyncio.to_thread(proc.wait_healthy, f"http://127.0.0.1:{port}/health", args.start_timeout)
         await asyncio.sleep(args.settle)
@@ -75,6 +78,7 @@ async def measure_once(args, env: dict[str, str], log_dir: Path) -> dict:
         rss = {pid: sum(rss_mib([pid]).values()) for pid in after}
     finally:
         await asyncio.to_thread(proc.stop)
+        procs.remove(proc)
     rss_by: dict[str, float] = {}
     for pid, mib in rss.items():
         key = titles.get(pid, "pulse serve (driver)" if pid == proc.popen.pid else after[pid][0])
@@ -102,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = checked_machine_info()
     started = time.time()
     log_dir = Path(tempfile.mkdtemp(prefix="pulse-idle-"))
-    measures = {v: (lambda env=env: measure_once(args, env, log_dir)) for v, env in envs.items()}
-    records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, progress=not args.quiet))
+    with owned_processes() as procs:
+        measures = {v: (lambda env=env: measure_once(args, env, log_dir, procs)) for v, env in envs.items()}
+        records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, progress=not args.quiet))
     summary = protocol.summarize(records)
     share: dict[str, float] = {}
     for s in summary.values():
