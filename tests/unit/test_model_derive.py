@@ -43,3 +43,9 @@ def test_pulse_serve_refuses_such_a_file_before_starting_anything(tmp_path):
                           env={**os.environ, model.CACHE_ENV: str(tmp_path / "cache")})
     assert done.returncode == 2, done.stderr[-2000:]
     assert "cannot read the model file" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_derivation_past_its_time_is_a_value_error_too(tmp_path, monkeypatch):
+    monkeypatch.setenv(model.CACHE_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="took longer than 0.01 s"):
+        derive_apart(str(bundled_model_path(SMOLLM2_BUNDLED)), timeout_s=0.01)

@@ -199,8 +199,11 @@ def derive_apart(path: str | None = None, timeout_s: float = 900.0) -> None:
             "p = sys.argv[1] or None; load_model_info(p); load_tokenizer(p)")
     root = str(Path(__file__).resolve().parents[2])  # this tree, for a child started from any directory
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", code, path or ""], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+    try:
+        done = subprocess.run([sys.executable, "-c", code, path or ""], capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"reading the model file took longer than {timeout_s:g} s") from None
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         raise ValueError(f"cannot read the model file: {lines[-1] if lines else f'exit {done.returncode}'}")
