@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="pulse-idle-"))
     with owned_processes() as procs:
         measures = {v: (lambda env=env: measure_once(args, env, log_dir, procs)) for v, env in envs.items()}
-        records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, progress=not args.quiet))
+        # SIGINT (a device call's time limit, `timeout --signal=INT`) ends the runs; the ones that ended are published
+        records, cut = protocol.run_to_limit(measures, args.repeats, args.warmup, not args.quiet, "asyncio")
     summary = protocol.summarize(records)
     share: dict[str, float] = {}
     for s in summary.values():
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 resident[k] = max(resident.get(k, 0.0), v["median"])
     top += sorted(resident, key=lambda k: -resident[k])[: args.rss_top]
     verdict = [f"{v}: {summary[v]['total_pct_core']['median']:.2f}% of a core idle (median of "
-               f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary]
+               f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary] + ([cut] if cut else [])
     protocol.publish("idle_cpu", records, summary, vars(args) | {"out": str(args.out)}, started, machine, verdict,
                      ["total_pct_core", "rss_mib", "processes", "ray_idle_workers", *top], ["total_pct_core"], args.out)
     return 0
