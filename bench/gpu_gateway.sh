@@ -5,6 +5,7 @@
 #   cd .device/clean && bash bench/gpu_gateway.sh fast   # 1 and 32 clients, this tree against .base, 5 repeats
 #   cd .device/clean && bash bench/gpu_gateway.sh held   # 256 and 1,000 held streams (4 tokens/s), against .base
 #   B_TREE=. B_ARGS="--gateway-replicas 1" bash bench/gpu_gateway.sh fast   # this tree, 1 replica as the second
+#   cd .device/clean && bash bench/gpu_gateway.sh idle   # bench/idle_cpu.py: idle CPU and RSS by process, this tree
 #   A_ARGS="--gateway-replicas 2" B_TREE=. bash bench/gpu_gateway.sh held   # A_ARGS: added to the first target's
 #                                                                  # command; 2 replicas against the default, interleaved
 # REPEATS sets the measured repeats (default 5 fast, 2 held: ~190 s at 2, ~60 s a repeat more).
@@ -19,7 +20,12 @@ PB="sh -c 'cd $bt && PYTHONPATH=$home/site:$bt exec python3 -m pulse.cli serve -
 --model $model --host 127.0.0.1 --port {port} --config {config} ${B_ARGS:-}'"
 d=/tmp/gw-${1:-fast}-$(date +%s)
 b=(); [[ -d $bt ]] && b=(--pulse-b-cmd "$PB")
-if [[ ${1:-fast} == fast ]]; then
+if [[ ${1:-fast} == idle ]]; then
+  # what `pulse serve` (the default replicas, the one model) holds and spends while it serves nothing, by process
+  printf 'model: {name: gemma-3-270m, path: %s}\n' "$model" > /tmp/gw-idle.yaml
+  timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.idle_cpu --config /tmp/gw-idle.yaml --repeats ${REPEATS:-3} \
+    --warmup 0 --seconds 15 --settle 5 --out "$d" --quiet
+elif [[ ${1:-fast} == fast ]]; then
   timeout --signal=INT -k 30 "${T:-400}" python3 -m bench.gateway_overhead --clients 1 32 --repeats ${REPEATS:-5} --warmup 1 \
     --duration 3 --pulse-cmd "$PC" "${b[@]}" --out "$d" --quiet
 else
