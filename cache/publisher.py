@@ -65,6 +65,7 @@ class BlockPublisher:
         self._wake.set()
 
     async def start(self) -> None:
+        self._closing = False  # a publisher closed before may start again
         await self.flush()
         self._task = asyncio.create_task(self._run(), name=f"block-publisher-{self.worker_id}")
 
