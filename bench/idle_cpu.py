@@ -90,6 +90,16 @@ async def measure_once(args, env: dict[str, str], log_dir: Path, procs: list) ->
     return {"metrics": metrics}
 
 
+def largest(summary: dict, prefix: str, n: int) -> list[str]:
+    """The `n` metrics named `prefix...` with the largest median in any variant, largest first."""
+    best: dict[str, float] = {}
+    for s in summary.values():
+        for k, v in s.items():
+            if k.startswith(prefix):
+                best[k] = max(best.get(k, 0.0), v["median"])
+    return sorted(best, key=lambda k: -best[k])[:n]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.idle_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", default=["default"], help="`default` or NAME=VALUE[,NAME=VALUE]")
@@ -111,18 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGINT (a device call's time limit, `timeout --signal=INT`) ends the runs; the ones that ended are published
         records, cut = protocol.run_to_limit(measures, args.repeats, args.warmup, not args.quiet, "asyncio")
     summary = protocol.summarize(records)
-    share: dict[str, float] = {}
-    for s in summary.values():
-        for k, v in s.items():
-            if k.startswith("pct:"):
-                share[k] = max(share.get(k, 0.0), v["median"])
-    top = sorted(share, key=lambda k: -share[k])[: args.top]
-    resident: dict[str, float] = {}
-    for s in summary.values():
-        for k, v in s.items():
-            if k.startswith("rss:"):
-                resident[k] = max(resident.get(k, 0.0), v["median"])
-    top += sorted(resident, key=lambda k: -resident[k])[: args.rss_top]
+    top = largest(summary, "pct:", args.top) + largest(summary, "rss:", args.rss_top)
     verdict = [f"{v}: {summary[v]['total_pct_core']['median']:.2f}% of a core idle (median of "
                f"{summary[v]['total_pct_core']['n']})" for v in args.variants if v in summary] + ([cut] if cut else [])
     protocol.publish("idle_cpu", records, summary, vars(args) | {"out": str(args.out)}, started, machine, verdict,
