@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from policy.config import PulseConfig
+from workers.ray_env import CONTROL_PLANE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pulse"
@@ -177,6 +178,27 @@ def test_worker_groups_hold_one_gpu_and_name_their_device(helm, values):
         # KubeRay hands this to `ray start --resources=...` through a shell: a quoted JSON object.
         raw = group["rayStartParams"]["resources"]
         assert json.loads(json.loads(raw)) == {group["groupName"]: 1}
+
+
+def ray_containers(rs: dict) -> list[dict]:
+    spec = rs["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    return [c for pod in pods for c in pod["containers"]]
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda v: v.name if v else "default")
+def test_ray_pods_run_the_control_plane_as_pulse_serve_does(helm, values):
+    """Ray's processes in every pod get workers/ray_env.py's CONTROL_PLANE_ENV (no idle worker prestarted a core,
+    the Serve controller's round a second), as under `pulse serve`; pulse.extraEnv, listed after, overrides."""
+    containers = ray_containers(by_kind(render(helm, values))["RayService"][0])
+    assert len(containers) >= 2
+    for c in containers:
+        env = env_of(c)
+        assert {k: env[k].get("value") for k in CONTROL_PLANE_ENV if k in env} == CONTROL_PLANE_ENV, c["name"]
+    rs = by_kind(render(helm, None, "pulse.extraEnv[0].name=RAY_prestart_worker_first_driver",
+                       "pulse.extraEnv[0].value=on"))["RayService"][0]
+    for c in ray_containers(rs):
+        assert env_of(c)["RAY_prestart_worker_first_driver"]["value"] == "on"  # the later entry is the one used
 
 
 def test_network_policy_admits_only_gateway_and_ray_peers_to_workers(helm):

@@ -110,6 +110,14 @@ applications:
   valueFrom: {fieldRef: {fieldPath: metadata.name}}
 - name: POD_NAMESPACE
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+# Ray's own processes in the pod, as `pulse serve` sets them for its local instance (workers/ray_env.py,
+# CONTROL_PLANE_ENV): the Serve controller reconciles once a second (Pulse's replica counts are fixed), and the
+# raylet prestarts no idle Python worker per core (Pulse runs no tasks; ~80 MiB each). pulse.extraEnv, listed
+# after, overrides them.
+- name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+  value: "1"
+- name: RAY_prestart_worker_first_driver
+  value: "0"
 {{- if .Values.redis.enabled }}
 - name: PULSE_REDIS_PASSWORD
   valueFrom:
