@@ -23,6 +23,31 @@ def test_longest_suffix_wins_over_a_more_recent_short_match():
     assert d.propose([9, 1, 2, 3, 4, 1, 2, 8, 9, 1, 2], 2) == [3, 4]
 
 
+def test_a_copy_is_walked_past_a_later_copy_of_the_same_run():
+    # a 10-token run appears twice, each followed by its own tail; the output copies the first one
+    run = list(range(100, 110))
+    prompt = [1, *run, 7, 8, 9, 2, *run, 3, 4, 5, 0]
+    d = Drafter(num_prompt_tokens=len(prompt))
+    seq = [*prompt, 1, 100, 101]
+    assert d.propose(seq, 8) == run[2:]  # found after "1 100 101": the first copy only
+    # the sequence took those 8 tokens: the walk goes on in the first copy, though the last 8 tokens also end the
+    # second copy (the most recent occurrence, which a fresh search drafts from)
+    assert d.propose([*seq, *run[2:]], 3) == [7, 8, 9]
+    assert Drafter().propose([*seq, *run[2:]], 3) == [3, 4, 5]
+
+
+def test_a_walk_left_by_the_sequence_falls_back_to_the_search():
+    run = list(range(100, 110))
+    prompt = [1, *run, 7, 8, 9, 2, *run, 3, 4, 5, 0]
+    d = Drafter(num_prompt_tokens=len(prompt))
+    seq = [*prompt, 1, 100, 101]
+    assert d.propose(seq, 8) == run[2:]
+    # the model took the second copy's tail instead of the walk's 7: the draft comes from the search again
+    assert d.propose([*seq, *run[2:], 3], 2) == [4, 5]
+    # a sequence that took tokens other than the walk's mid-way: searched again too (no match: no draft)
+    assert d.propose([*seq, *run[2:], 3, 4, 5, 0, 42, 43], 2) == []
+
+
 def test_no_match_no_draft_and_k_zero_is_empty():
     assert Drafter().propose([1, 2, 3, 4], 4) == []
     assert Drafter().propose([1, 2, 1, 2], 0) == []

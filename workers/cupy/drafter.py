@@ -5,6 +5,9 @@ Prompt lookup: the last n tokens of the sequence (prompt + generated) are search
 sequence, longest n first; the tokens that followed the most recent earlier occurrence are the draft.
 Agents rewrite files, quote tool results and repeat identifiers, so the continuation is often already in
 the context; when nothing matches, there is no draft and the step costs what plain decoding costs.
+Once a draft came from somewhere, the next one continues from the same place for as long as the tokens
+the sequence took since are the ones found there (a file being copied out is walked, not searched for
+again): no search on most steps of a copy, and no jump to a later copy of a repeated line mid-walk.
 
 Predicted Outputs: the request's `prediction_ids` (e.g. the file being edited) is searched first. The
 output usually walks the prediction from start to end with small edits, so among the places the suffix
@@ -42,6 +45,8 @@ class Drafter:
         self._buf = np.empty(256, np.int64)  # the sequence's tokens, grown in place (no per-step copy)
         self._len = 0
         self._pred_pos = 0  # where in the prediction the previous draft started
+        # prompt lookup: (where in the sequence the previous draft started, the sequence's length then)
+        self._walk: tuple[int, int] | None = None
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `tokens` (empty when nothing matches)."""
@@ -82,11 +87,20 @@ class Drafter:
         return []
 
     def _from_context(self, ctx: np.ndarray, k: int) -> list[int]:
+        if self._walk is not None:  # the tokens taken since the last draft: still the ones where it came from?
+            src, then = self._walk
+            taken = ctx.size - then
+            pos = src + taken
+            if 0 < taken and pos < ctx.size and np.array_equal(ctx[src:pos], ctx[then:]):
+                self._walk = (pos, ctx.size)
+                return ctx[pos : pos + k].tolist()
+        self._walk = None
         for n in range(min(self.max_ngram, ctx.size - 1), self.min_ngram - 1, -1):
             # the suffix itself ends the sequence, so it has no following token and is never matched
             starts = find_matches(ctx, ctx[-n:]) + n
             if starts.size:
                 pos = int(starts[-1])
+                self._walk = (pos, ctx.size)
                 return ctx[pos : pos + k].tolist()
         return []
 
