@@ -218,18 +218,17 @@ class Speculator:
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
             outputs += engine._sample(logits, plain_seqs, index=plain_rows, rows=plain_samples)
         if draft_groups:
-            outputs += self._accept(engine, logits, draft_rows, draft_groups)
+            outputs += self._accept(engine, logits, draft_rows, draft_groups, [step_rows[r] for r in draft_rows])
         return outputs, batch.num_tokens - len(batch.sample_rows)
 
-    def _accept(self, engine, step_logits, rows: list[int], groups: list[tuple[Sequence, list[int]]]):
+    def _accept(self, engine, step_logits, rows: list[int], groups: list[tuple[Sequence, list[int]]], sample_rows):
         """Each group's drafts against the sampler's own draws at its rows (`rows` of `step_logits`, each
-        group's consecutive): a draft is kept while it equals the token the sampler draws at its position
+        group's consecutive; `sample_rows`: the step's sample rows there, the ones staged before its forward):
+        a draft is kept while it equals the token the sampler draws at its position
         (the argmax when greedy), and the first draw that differs is emitted in its place. With the draws
         keyed by (seed, token index), that is the token plain decoding would have drawn there: exact for
         any temperature, and the same tokens as without speculation (sampler.py)."""
         ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
-        sample_rows = engine.sample_rows([seq for seq, d in groups for _ in range(len(d) + 1)],
-                                         [i for _, d in groups for i in range(len(d) + 1)])
         targets, lps = engine.choose(step_logits, sample_rows, ids, index=rows,
                                      drafts={s.request_id: d for s, d in groups})
         outputs, row = [], 0
