@@ -12,8 +12,11 @@ mix of sequences, draft lengths and prompt chunks) replays the graph captured fo
 inputs are per token (id, position, KV slot, block-table row), and the rows whose logits the step wants are an
 input too (every token for a verify step, one per sequence for a mixed step), so one graph serves every
 layout. The graph computes logits for all of its G rows; a mixed step's unused rows cost one product's extra
-rows, far less than the launches they replace. Up to GEMV_MAX_M tokens take the fused small-batch products;
-larger sizes take cuBLAS.
+rows, far less than the launches they replace. Every size takes cuBLAS's products: the fused small-batch ones
+(gemma3.py's `small` path, made for decode rows) ran a verify step of up to 8 tokens slower, on an H100 at one
+stream with K 4 (graphs of 8) 2,092-2,368 tok/s against 2,711-3,619 with cuBLAS, paired runs of the same code
+edit (BENCHMARKS.md, issue 19, 2026-12-07); with K 8 (graphs of 16, cuBLAS either way) 4,988-5,081 against
+4,317-6,041. Decode steps keep the fused products (the same comparison at 1-8 streams: no difference).
 
 Padding tokens write their K/V to the scratch block (slot), sit at position 0 of table row 0 and produce
 logits nobody reads. Every row's argmax (or in-step draw) is computed inside the graph (`chosen`), so
@@ -99,7 +102,7 @@ class VerifyGraphs:
         else:
             slots, tables = self.slots[0, :g], tables[0]
         self.model.run(self.ws.view(g, g), self.tok[:g], self.pos[:g], slots, self.tok_row[:g], tables,
-                       self.rows[:g], self.kv, self.block_size, decode=False, small=True)
+                       self.rows[:g], self.kv, self.block_size, decode=False, small=False)
 
     def _capture(self, g: int):
         return capture(self.stream, lambda: self._step(g))  # all padding while capturing
