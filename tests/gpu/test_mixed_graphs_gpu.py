@@ -2,8 +2,8 @@
 (workers/cupy/gpu/verify.py) instead of launching every kernel from Python.
 
 - random weights: a mixed step (decodes, a whole short prompt, a prompt chunk short of its end that wants no
-  logits) gives the CPU model's logits to fp16 tolerance, through the fused small products (<= 8 tokens) and
-  through cuBLAS, twice over different layouts on the same graphs; its in-graph argmax is the argmax of those
+  logits) gives the CPU model's logits to fp16 tolerance, in a graph of 8 and in one of 64 (both through cuBLAS's
+  products since verify.py stopped taking the fused small ones), twice over different layouts on the same graphs; its in-graph argmax is the argmax of those
   logits; with `mixed_graphs` off the same step runs eagerly; a step past 256 tokens replays a 384 graph;
 - the real model, through the engine: requests that arrive while others decode are admitted in mixed steps
   (none eager), with the overlap on and off alike, and greedy output starts as the eager engine's does.
@@ -42,7 +42,7 @@ def _runs(blocks, running, nxt, arriving) -> list:
     return runs
 
 
-@pytest.mark.parametrize("new_len", [3, 20])  # 2 decodes + 3 new tokens: the small path; 2 + 20 + 30: cuBLAS
+@pytest.mark.parametrize("new_len", [3, 20])  # 2 decodes + 3 new tokens: a graph of 8; 2 + 20 + 30: of 64
 def test_mixed_step_graph_matches_cpu(new_len):
     cfg, cpu, gpu, kvs, blocks = small_models()
     running = [_seq("a", 600, cfg.vocab_size), _seq("b", 37, cfg.vocab_size)]  # one context past the 512 window

@@ -183,8 +183,9 @@ class GpuGemma3:
 
         decode=True promises one query token per sequence (tok_row[t] == t): attention then does QK-norm,
         RoPE and the KV write itself. small (default: decode steps of up to GEMV_MAX_M tokens) takes the fused
-        small-batch products; a speculative verify step (several query tokens of one sequence) may take them
-        too, with the KV write as its own kernel before attention (its tokens read each other's keys)."""
+        small-batch products; a step of several query tokens a sequence may take them too, with the KV write as its
+        own kernel before attention (its tokens read each other's keys), but the verify graphs do not: cuBLAS ran
+        them faster (verify.py)."""
         if small is None:
             small = decode
         small = small and tok.shape[0] <= GEMV_MAX_M
