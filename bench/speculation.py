@@ -20,6 +20,12 @@ device profile). Aggregate decode tok/s per cell; the notes say per cell which c
 adaptive one's tok/s over the best's, paired per repeat ('matches' only when that ratio's range includes 1.0
 within 3%).
 
+Each configuration keeps one Speculator per cell (per configuration in `edit`) across its warm-up and repeats, as
+a server keeps one across requests: the adaptive policy's gate and acceptance prior are warm when the repeats run,
+and the warm-up is its cold start. (Until 2026-12-07 each run made a new one, so every adaptive figure was a cold
+start: a 16-step epoch with drafting off for the gate to measure, every draft position's estimate at 0.5; on an
+H100 that read 0.55-0.87x of the best fixed K at 128 tokens a request, BENCHMARKS.md, issue 19.)
+
 Runs unchanged on a GPU (`--device auto` picks CUDA when present: the engine is then the CuPy/CUDA one).
 """
 from __future__ import annotations
@@ -138,11 +144,19 @@ def fixed_k(k: int):
                          speculation_gate=False)
 
 
-def set_policy(engine, profile) -> None:
-    """Speculation under `profile` (None: the plain engine, no speculator at all)."""
+def set_policy(engine, profile, kept: dict | None = None, key=None) -> None:
+    """Speculation under `profile` (None: the plain engine, no speculator at all). With `kept`, the Speculator
+    made for `key` the first time is used again (its gate and acceptance prior stay warm between runs)."""
     from workers.cupy.speculative import Speculator
 
-    engine.speculator = None if profile is None else Speculator(profile, gate=profile.speculation_gate)
+    if profile is None:
+        engine.speculator = None
+    elif kept is None:
+        engine.speculator = Speculator(profile, gate=profile.speculation_gate)
+    else:
+        if key not in kept:
+            kept[key] = Speculator(profile, gate=profile.speculation_gate)
+        engine.speculator = kept[key]
 
 
 def decode(engine, requests) -> dict:
@@ -178,9 +192,10 @@ def edit_measures(engine, info, profile, tokens: int) -> dict:
     prompts = [(encode(info, edit_prompt(n, s, EDITS[n])), encode(info, s)[1:]) for n, s in SOURCES.items()]
     reference: dict[int, list[int]] = {}
     counter = iter(range(10**9))
+    kept: dict = {}
 
     def run(config: str) -> dict:
-        set_policy(engine, None if config == "none" else profile)
+        set_policy(engine, None if config == "none" else profile, kept, config)
         secs = made = drafted = accepted = 0
         same = True
         for i, (ids, prediction) in enumerate(prompts):
@@ -229,15 +244,15 @@ def grid_prompts(info, context: int, streams: int, workload: str = "code") -> li
 
 def grid_measures(engine, info, device_profile, contexts, concurrency, ks, tokens, workload="code") -> dict:
     configs = {"off": None, **{f"k{k}": fixed_k(k) for k in ks}, "adaptive": device_profile}
-    measures, counter = {}, iter(range(10**9))
+    measures, counter, kept = {}, iter(range(10**9)), {}
     for context in contexts:
         for streams in concurrency:
             prompts = grid_prompts(info, context, streams, workload)
             set_policy(engine, None)
             decode(engine, [request(f"warm-{next(counter)}", p, 1) for p in prompts])  # into the prefix cache
             for name, profile in configs.items():
-                def run(profile=profile, prompts=prompts):
-                    set_policy(engine, profile)
+                def run(profile=profile, prompts=prompts, key=(context, streams, name)):
+                    set_policy(engine, profile, kept, key)
                     r = decode(engine, [request(f"g{next(counter)}", p, tokens) for p in prompts])
                     return {"decode_tok_s": r["made"] / r["seconds"],
                             "acceptance": r["accepted"] / r["drafted"] if r["drafted"] else None}

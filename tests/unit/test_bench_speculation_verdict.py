@@ -21,3 +21,23 @@ def test_grid_notes_pair_per_repeat():
                for n, m, lo, hi in (("off", 150, 100, 200), ("k2", 70, 50, 90), ("adaptive", 120, 80, 160))}
     table = grid_notes(records, summary, [256], [1], [2])
     assert "| 256 | 1 | 150.0 | 70.0 | 120.0 | off | 0.80x (0.80-0.80) |" in table
+
+
+def test_each_configuration_keeps_its_speculator_across_runs():
+    """grid/edit runs of one configuration share a Speculator (its gate and acceptance prior warm after the warm-up,
+    as in a server); without `kept` every call makes a new one (a cold start)."""
+    from types import SimpleNamespace
+
+    from bench.speculation import fixed_k, set_policy
+
+    eng, prof, kept = SimpleNamespace(speculator=None), fixed_k(2), {}
+    set_policy(eng, prof, kept, ("L64", "C1", "k2"))
+    first = eng.speculator
+    set_policy(eng, None, kept, "off")
+    assert eng.speculator is None
+    set_policy(eng, prof, kept, ("L64", "C1", "k2"))
+    assert eng.speculator is first
+    set_policy(eng, prof, kept, ("L64", "C2", "k2"))
+    assert eng.speculator is not first
+    set_policy(eng, prof)
+    assert eng.speculator is not first and eng.speculator is not kept[("L64", "C2", "k2")]
