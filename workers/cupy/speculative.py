@@ -199,7 +199,7 @@ class Speculator:
         step_rows = engine.sample_rows([scheduled[b][0] for b in batch.sample_rows], ahead)
         engine.sampler.stage(step_rows)
         logits = engine.model.forward(batch, engine.kv)
-        plain_rows, plain_seqs, plain_samples, draft_rows, draft_groups = [], [], [], [], []
+        plain_rows, plain_seqs, plain_samples, draft_rows, draft_samples, draft_groups = [], [], [], [], [], []
         for b, (seq, n) in enumerate(scheduled):
             if b not in drafts:
                 seq.num_computed += n  # as in a plain step: the whole chunk is now in the cache
@@ -212,13 +212,14 @@ class Speculator:
                 plain_samples.append(step_rows[row])
             else:
                 draft_rows.append(row)
+                draft_samples.append(step_rows[row])
                 if a == 0:
                     draft_groups.append((seq, drafts[b]))
         outputs = []
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
             outputs += engine._sample(logits, plain_seqs, index=plain_rows, rows=plain_samples)
         if draft_groups:
-            outputs += self._accept(engine, logits, draft_rows, draft_groups, [step_rows[r] for r in draft_rows])
+            outputs += self._accept(engine, logits, draft_rows, draft_groups, draft_samples)
         return outputs, batch.num_tokens - len(batch.sample_rows)
 
     def _accept(self, engine, step_logits, rows: list[int], groups: list[tuple[Sequence, list[int]]], sample_rows):
