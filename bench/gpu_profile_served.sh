@@ -7,6 +7,8 @@
 #   CLIENTS="64 256" bash bench/gpu_profile_served.sh     # -> $OUT/profile-c<C>/stacks.tgz: spy-<pid>.txt (raw stacks)
 #   CLIENTS=1000 SAMPLING=t1 SERVED_EXTRA="--profile-batch --client-procs 4" bash bench/gpu_profile_served.sh
 #                                                         # past saturation: the profile's batch, the rest queued
+#   CLIENTS=1 WORKLOAD=code PROFILE=cuda PER_CLIENT=300 SPY_S=8 PY_SPY=$home/site/bin/py-spy bash bench/gpu_profile_served.sh
+#                                                         # one stream's speculative steps on an H100 (cuda profile)
 #
 # py-spy starts once the warm-up run has landed in records.jsonl, so it samples the first measured run
 # (--nonblocking: it never pauses the process it reads; --threads: the engine thread and the event loop's apart).
@@ -34,8 +36,8 @@ for clients in ${CLIENTS:-256}; do
     wait
     for pid in $pids; do echo "end $(ticks "$pid") $(date +%s.%N) hz $(getconf CLK_TCK)" >> "$out/cpu-$pid.txt"; done
   ) &
-  timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.served --model "$model" --device cuda --profile h200 \
-    --targets pulse --workloads story --sampling "${SAMPLING:-greedy}" --clients "$clients" --tokens 128 \
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.served --model "$model" --device cuda --profile "${PROFILE:-h200}" \
+    --targets pulse --workloads "${WORKLOAD:-story}" --sampling "${SAMPLING:-greedy}" --clients "$clients" --tokens 128 \
     ${SERVED_EXTRA:-} \
     --per-client "${PER_CLIENT:-8}" --repeats 1 --warmup 1 --duration 60 --timeout 120 --out "$out" --quiet \
     2>&1 | grep -v "^warning" | tail -4
