@@ -25,6 +25,13 @@ ends and another joins most steps; `--same` keeps one list (its per-list cache t
 `draws`: what a GPU step does with those rows on the host: sample_rows on a changed list, the device staging's pack
 (pack_rows) and GpuSampler.hold's checks before it touches the device (the logprobs ask, then _drawn_in_step), as
 the imported tree has them (no CuPy needed: the checks read the model's last draw through a stand-in).
+`spec`: a whole speculative Engine.step() at one to a few streams, where the served copy is host-bound between
+device waits (issue 19's code edits at 1 client): the engine over CopyModel (a model that costs nothing whose
+greedy choice after token t is t's successor in a fixed cycle; the prompts are that cycle, so prompt lookup's
+drafts are kept, a copy at its best), a Speculator of fixed K (`--k`), greedy requests of `--tokens` new tokens
+replaced as they finish (their prefill steps counted, as served); `--miss N`: at every position divisible by N the
+model takes another token, so drafts break and the drafter searches again. The baseline column is the same engine
+with speculation off (a plain step emits one token a sequence, a speculative one up to K + 1).
 
 Against another commit when more than one file changed (any part): run this file with that commit's tree first on
 the path, alternately, and compare the same column over the rounds (this box's load moves between processes):
@@ -156,6 +163,69 @@ class FreeModel:
         return out
 
 
+class CopyModel:
+    """A model whose forward costs nothing and continues a cycle (`--part spec`): after token t its logits pick
+    SUCC[t], but at positions divisible by `miss` (0: never) the token after that, as a copy that leaves its
+    source; its logits row i is the input token at logits_indices[i] (a verify row's is its draft token)."""
+
+    xp = np
+    vocab = 512
+    CYCLE = np.random.default_rng(0).permutation(np.arange(2, 2 + 211))  # 211 distinct tokens, one order: a 256-token
+    # prompt holds the whole cycle, so its continuation is a copy from the first new token on
+    SUCC = np.zeros(vocab, np.int64)
+    SUCC[CYCLE] = np.roll(CYCLE, -1)
+
+    def __init__(self, miss: int = 0):
+        self.miss = miss
+
+    def forward(self, batch, kv):
+        rows = np.asarray(batch.logits_indices)
+        nxt = self.SUCC[np.asarray(batch.token_ids)[rows]]
+        if self.miss:
+            off = np.asarray(batch.positions)[rows] % self.miss == 0
+            nxt[off] = self.SUCC[nxt[off]]
+        out = np.zeros((len(rows), self.vocab), np.float32)
+        out[np.arange(len(rows)), nxt] = 1.0
+        return out
+
+
+def spec_step(batch: int, k: int | None, tokens: int, miss: int, prompt: int = 256):
+    """A (scheduled, block_size, xp, tables) -> outputs callable: one Engine.step() of an engine over CopyModel with
+    `batch` greedy requests of `tokens` new tokens each (a finished one replaced by a new one, its prompt a
+    different stretch of the cycle), speculation at fixed K `k` (None: off), workers.engine.overlap on."""
+    from bench.speculation import fixed_k, set_policy
+    from workers.cupy.engine import Engine
+    from workers.cupy.scheduler import Scheduler
+    from workers.protocol import GenerateRequest
+
+    per_seq = -(-(prompt + tokens + 64) // BLOCK)
+    blocks = BlockManager(4 * batch * per_seq + 1, BLOCK)
+    eng = Engine(CopyModel(miss), None, blocks, Scheduler(blocks, batch, max(2048, batch)),
+                 staging_sampler(batch * (1 + (k or 0))),
+                 (1,), 1 << 20, CopyModel.vocab, 0, True)
+    set_policy(eng, fixed_k(k) if k else None)
+    cycle, arrivals = CopyModel.CYCLE, iter(range(1 << 62))
+
+    def add():
+        n = next(arrivals)
+        ids = [int(cycle[(n * 37 + j) % len(cycle)]) for j in range(prompt)]
+        eng.add(GenerateRequest(request_id=str(n), prompt_ids=ids, max_tokens=tokens,
+                                sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+    for _ in range(batch):
+        add()
+
+    def step(scheduled, block_size, xp, tables=None):
+        outputs = eng.step()
+        step.steps += 1
+        for o in outputs:
+            step.tokens += len(o.token_ids)
+            if o.finish_reason is not None:
+                add()
+        return outputs
+    step.steps = step.tokens = 0
+    return step
+
+
 def staging_sampler(batch: int):
     """A sampler that packs each step's draw parameters as the GPU sampler stages them (rows of up to `batch`), and
     draws with one argmax over FreeModel's logits."""
@@ -232,7 +302,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--same", action="store_true", help="--part rows: the same list of sequences every call")
-    ap.add_argument("--part", choices=["build_batch", "emit", "rows", "draws", "step"], default="build_batch", help=(
+    ap.add_argument("--k", type=int, default=8, help="--part spec: the fixed draft depth")
+    ap.add_argument("--tokens", type=int, default=128, help="--part spec: new tokens a request")
+    ap.add_argument("--miss", type=int, default=0, help="--part spec: the model leaves the copy at every position "
+                    "divisible by this (0: never)")
+    ap.add_argument("--part", choices=["build_batch", "emit", "rows", "draws", "step", "spec"], default="build_batch",
+                    help=(
         "step: a whole Engine.step() over a model that costs nothing, with workers.engine.overlap on and off "
         "(the baseline column is overlap off)"))
     ap.add_argument("--churn", type=int, default=0, help=(
@@ -244,6 +319,9 @@ def main(argv=None) -> int:
     if args.part == "step":
         builds = {"this tree": None, "baseline": None}  # overlap on and off: built per batch and layout, below
         args.baseline = args.baseline or "overlap off"
+    elif args.part == "spec":
+        builds = {f"K {args.k}": None, "off": None}  # built per batch, below
+        args.baseline = "speculation off"
     elif args.part in ("emit", "rows", "draws"):
         from workers.cupy import engine
         loop = {"emit": output_loop, "rows": lambda m: rows_loop(m, args.same), "draws": draws_loop}[args.part]
@@ -259,12 +337,16 @@ def main(argv=None) -> int:
             else:  # from before BlockTables: the lists flattened every step
                 builds["baseline"] = lambda s, bs, xp, tables: old(s, bs, xp)
     print(describe(machine_info()))
+    spec = args.part == "spec"
     print("| batch | KV pools | " + " | ".join(f"{name}: {args.part} us/call, median (min–max)" for name in builds)
-          + (" | this / baseline |" if args.baseline else " |"))
-    print("|" + " --- |" * (2 + len(builds) + bool(args.baseline)))
+          + (" | this / baseline |" if args.baseline else " |") + (" tokens a step (each column) |" if spec else ""))
+    print("|" + " --- |" * (2 + len(builds) + bool(args.baseline) + spec))
     for batch in args.batches:
-        for two in (False, True):
+        for two in ((False,) if args.part == "spec" else (False, True)):
             step = decode_step(batch, args.context, two)
+            if args.part == "spec":
+                builds = {f"K {args.k}": spec_step(batch, args.k, args.tokens, args.miss),
+                          "off": spec_step(batch, None, args.tokens, args.miss)}
             if args.part == "step":
                 builds = {"this tree": whole_step(batch, args.context, two, True, args.churn),
                           "baseline": whole_step(batch, args.context, two, False, args.churn)}
@@ -273,7 +355,10 @@ def main(argv=None) -> int:
                 for name, build in builds.items():
                     runs[name].append(per_call_us(build, step, args.calls))
             row = f"| {batch} | {'two' if two else 'one'} | " + " | ".join(cell(r) for r in runs.values())
-            if args.baseline:
+            if args.part == "spec":
+                row += f" | {np.median(runs[f'K {args.k}']) / np.median(runs['off']):.2f} | " + " / ".join(
+                    f"{b.tokens / max(1, b.steps):.2f}" for b in builds.values())
+            elif args.baseline:
                 row += f" | {np.median(runs['this tree']) / np.median(runs['baseline']):.2f}"
             print(row + " |")
     return 0

@@ -35,3 +35,28 @@ def test_the_step_part_runs_whole_engine_steps_with_overlap_on_and_off(capsys):
     assert step_host.main(["--part", "step", "--batches", "4", "--repeats", "1", "--calls", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 2 and all(len(r.split("|")) == 7 for r in rows)
+
+
+def test_the_spec_part_keeps_a_copys_drafts_and_breaks_them_where_the_model_leaves_the_copy(capsys):
+    # a pure copy: after the first requests warm the acceptance, most steps emit K + 1 tokens, and every
+    # emitted token is the cycle's successor of the one before (speculation never changes the tokens)
+    copy = step_host.spec_step(1, 8, 64, 0)
+    outs = [copy(None, step_host.BLOCK, np) for _ in range(60)]
+    by_request: dict = {}
+    for o in outs:
+        for out in o:
+            by_request.setdefault(out.request_id, []).extend(out.token_ids)
+    assert copy.tokens == sum(map(len, by_request.values())) and copy.tokens / copy.steps > 4
+    assert max(len(out.token_ids) for o in outs for out in o) == 9
+    succ = step_host.CopyModel.SUCC
+    assert all(succ[a] == b for tokens in by_request.values() for a, b in zip(tokens, tokens[1:]))
+    off = step_host.spec_step(1, None, 64, 0)
+    [off(None, step_host.BLOCK, np) for _ in range(60)]
+    assert off.tokens == off.steps  # one token a step (a prefill step emits its first)
+    # leaving the copy every 5 positions: no draft is kept whole, fewer tokens a step
+    broken = step_host.spec_step(1, 8, 64, 5)
+    [broken(None, step_host.BLOCK, np) for _ in range(60)]
+    assert 1 < broken.tokens / broken.steps < copy.tokens / copy.steps
+    assert step_host.main(["--part", "spec", "--k", "4", "--batches", "2", "--repeats", "1", "--calls", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 8  # batch, pools, two timings, ratio, tokens a step
