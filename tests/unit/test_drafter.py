@@ -1,7 +1,10 @@
 """workers.cupy.drafter: prompt lookup and Predicted Outputs drafts on small token lists."""
 from __future__ import annotations
 
-from workers.cupy.drafter import Drafter, find_matches
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.cupy.drafter import Drafter, find_matches, longest_matches
 
 import numpy as np
 
@@ -10,6 +13,35 @@ def test_find_matches_needs_a_following_token():
     hay = np.array([1, 2, 3, 1, 2])
     assert find_matches(hay, np.array([1, 2])).tolist() == [0]  # the match at 3 ends the array
     assert find_matches(np.array([5]), np.array([5])).tolist() == []
+
+
+def search_each_length(haystack, tail, max_n, min_n):
+    """The search longest_matches replaces: find_matches for each suffix length, longest first."""
+    for n in range(min(max_n, tail.size, haystack.size - 1), min_n - 1, -1):
+        starts = find_matches(haystack, tail[-n:]) + n
+        if starts.size:
+            return n, starts.tolist()
+    return 0, []
+
+
+tokens = st.lists(st.integers(0, 3), max_size=60)  # a small alphabet: many partial and overlapping matches
+
+
+@settings(max_examples=400, deadline=None)
+@given(hay=tokens, tail=tokens, max_n=st.integers(1, 10), min_n=st.integers(1, 3), own=st.booleans())
+def test_longest_matches_finds_what_searching_each_length_finds(hay, tail, max_n, min_n, own):
+    haystack = np.asarray(hay, np.int64)
+    tail = haystack if own else np.asarray(tail, np.int64)  # own: the sequence searched for its own suffix
+    n, starts = longest_matches(haystack, tail, max_n, min_n)
+    assert (n, starts.tolist()) == search_each_length(haystack, tail, max_n, min_n)
+
+
+def test_longest_matches_on_a_run_of_one_token_overlaps_the_suffix():
+    ctx = np.array([4, 4, 4, 4, 4])
+    # "4 4 4" ends at 2 and at 3 (3 is the last with a following token), never at the last position
+    assert longest_matches(ctx, ctx, 3, 2)[0] == 3 and longest_matches(ctx, ctx, 3, 2)[1].tolist() == [3, 4]
+    assert longest_matches(ctx, ctx, 8, 2)[0] == 4  # at most the context less its last token
+    assert longest_matches(np.array([1, 2]), np.array([9, 2]), 8, 2)[0] == 0
 
 
 def test_context_lookup_continues_the_most_recent_earlier_occurrence():

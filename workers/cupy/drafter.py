@@ -34,6 +34,31 @@ def find_matches(haystack: np.ndarray, suffix: np.ndarray) -> np.ndarray:
     return np.flatnonzero((windows == suffix).all(axis=1))
 
 
+def longest_matches(haystack: np.ndarray, tail: np.ndarray, max_n: int, min_n: int) -> tuple[int, np.ndarray]:
+    """(n, starts): the longest n in [min_n, max_n] for which tail's last n tokens occur in `haystack` with at
+    least one token after them, and where each such occurrence's next token is (ascending); (0, empty) if none.
+    The same answer as trying find_matches(haystack, tail[-n:]) from n = max_n down, in one pass over the
+    haystack: only the places holding tail's last token are candidates (few in text), and their match runs
+    backwards are extended together, one comparison a step back (searching novel text for 7 lengths in turn
+    cost ~0.4 ms a step at 1,500 tokens on the dev box)."""
+    max_n = min(max_n, tail.size, haystack.size - 1)
+    if max_n < min_n or max_n < 1:
+        return 0, np.empty(0, np.int64)
+    ends = np.flatnonzero(haystack[:-1] == tail[-1])  # a match's last token; one follows it
+    n = 1
+    while ends.size and n < max_n:
+        before = ends - n
+        ok = before >= 0
+        ok[ok] = haystack[before[ok]] == tail[-1 - n]
+        if not ok.any():
+            break
+        ends = ends[ok]  # those that match n + 1 tokens
+        n += 1
+    if n < min_n or not ends.size:
+        return 0, np.empty(0, np.int64)
+    return n, ends + 1
+
+
 class Drafter:
     """One sequence's drafter. `propose(tokens, k)` is called with the sequence's tokens so far."""
 
@@ -77,13 +102,12 @@ class Drafter:
         if generated <= 0:
             self._pred_pos = 0
             return pred[:k].tolist()
-        for n in range(min(self.max_ngram, generated), self.min_ngram - 1, -1):
-            starts = find_matches(pred, ctx[-n:]) + n  # where each match's continuation starts
-            if starts.size:
-                ahead = starts[starts >= self._pred_pos]
-                pos = int(ahead[0]) if ahead.size else int(starts[-1])
-                self._pred_pos = pos
-                return pred[pos : pos + k].tolist()
+        n, starts = longest_matches(pred, ctx, min(self.max_ngram, generated), self.min_ngram)
+        if n:  # starts: where each match's continuation starts
+            ahead = starts[starts >= self._pred_pos]
+            pos = int(ahead[0]) if ahead.size else int(starts[-1])
+            self._pred_pos = pos
+            return pred[pos : pos + k].tolist()
         return []
 
     def _from_context(self, ctx: np.ndarray, k: int) -> list[int]:
@@ -95,13 +119,12 @@ class Drafter:
                 self._walk = (pos, ctx.size)
                 return ctx[pos : pos + k].tolist()
         self._walk = None
-        for n in range(min(self.max_ngram, ctx.size - 1), self.min_ngram - 1, -1):
-            # the suffix itself ends the sequence, so it has no following token and is never matched
-            starts = find_matches(ctx, ctx[-n:]) + n
-            if starts.size:
-                pos = int(starts[-1])
-                self._walk = (pos, ctx.size)
-                return ctx[pos : pos + k].tolist()
+        # the suffix itself ends the sequence, so it has no following token and is never matched
+        n, starts = longest_matches(ctx, ctx, min(self.max_ngram, ctx.size - 1), self.min_ngram)
+        if n:
+            pos = int(starts[-1])
+            self._walk = (pos, ctx.size)
+            return ctx[pos : pos + k].tolist()
         return []
 
 
