@@ -7,7 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from workers.cupy import batch as batch_module
 from workers.cupy.batch import build_batch
+from workers.cupy.kv_cache import BlockTables
 from workers.cupy.sequence import Sequence
 
 BS = 4
@@ -54,13 +56,23 @@ def reference(scheduled, drafts):
     return tokens, positions, slots, local_slots, rows, sample
 
 
+def with_tables(scheduled, two_pools: bool) -> BlockTables:
+    """The engine's way to the block tables: each sequence's lists copied into a row of one array a pool."""
+    tables = BlockTables(two_pools, rows=2, width=2)  # grown as the rows come
+    for seq, _ in scheduled:
+        tables.set_row(seq)
+    return tables
+
+
+@pytest.mark.parametrize("tables", [False, True])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("two_pools", [False, True])
-def test_build_batch_matches_the_per_token_reference(two_pools, decode):
-    rng = random.Random(11 + two_pools + 2 * decode)
+def test_build_batch_matches_the_per_token_reference(two_pools, decode, tables):
+    """With `tables` most steps (up to 8 sequences, 64 tokens) take _small_batch, the rest the vectorized path."""
+    rng = random.Random(11 + two_pools + 2 * decode + 4 * tables)
     for _ in range(400):
         scheduled, drafts = layout(rng, two_pools, decode)
-        batch = build_batch(scheduled, BS, np, drafts)
+        batch = build_batch(scheduled, BS, np, drafts, with_tables(scheduled, two_pools) if tables else None)
         tokens, positions, slots, local_slots, rows, sample = reference(scheduled, drafts)
         assert batch.token_ids.tolist() == tokens and batch.token_ids.dtype == np.int32
         assert batch.positions.tolist() == positions and batch.positions.dtype == np.int32
@@ -77,8 +89,35 @@ def test_build_batch_matches_the_per_token_reference(two_pools, decode):
             assert batch.local_meta is None and batch.local_slot_mapping is None
 
 
+@pytest.mark.parametrize("two_pools", [False, True])
+def test_small_steps_build_the_same_arrays_as_the_vectorized_path(two_pools, monkeypatch):
+    rng, small = random.Random(5 + two_pools), 0
+    for _ in range(300):
+        scheduled, drafts = layout(rng, two_pools, decode=rng.random() < 0.3)
+        tables = with_tables(scheduled, two_pools)
+        monkeypatch.setattr(batch_module, "SMALL_SEQS", 8)
+        a = build_batch(scheduled, BS, np, drafts, tables)
+        monkeypatch.setattr(batch_module, "SMALL_SEQS", 0)  # every step vectorized
+        b = build_batch(scheduled, BS, np, drafts, tables)
+        small += len(scheduled) <= 8 and a.num_tokens <= batch_module.SMALL_TOKENS
+        for name in ("token_ids", "positions", "slot_mapping", "logits_indices", "local_slot_mapping"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.tolist() == y.tolist()))
+        assert a.sample_rows == b.sample_rows and a.num_tokens == b.num_tokens
+        for meta_a, meta_b in ((a.meta, b.meta), (a.local_meta, b.local_meta)):
+            assert (meta_a is None) == (meta_b is None)
+            if meta_a is not None:
+                for name in ("query_start", "seq_lens", "block_tables"):
+                    x, y = getattr(meta_a, name), getattr(meta_b, name)
+                    assert x.dtype == y.dtype and x.shape == y.shape and x.tolist() == y.tolist()
+                assert meta_a.block_size == meta_b.block_size
+    assert small > 100  # most of these layouts are small steps
+
+
 def test_a_token_past_its_blocks_is_refused():
     seq = Sequence(request_id="x", token_ids=list(range(9)), max_tokens=4)
     seq.block_table = [3, 4]  # 8 slots for 9 tokens
     with pytest.raises(AssertionError):
         build_batch([(seq, 9)], BS, np)
+    with pytest.raises(AssertionError):  # the small steps' path too
+        build_batch([(seq, 9)], BS, np, tables=with_tables([(seq, 9)], False))

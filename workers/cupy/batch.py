@@ -21,6 +21,11 @@ from workers.cupy.sequence import Sequence
 if TYPE_CHECKING:
     from workers.cupy.kv_cache import BlockTables
 
+# a step of at most this many sequences and tokens is built per token in Python (_small_batch): below these the
+# vectorized path's fixed cost of NumPy calls is most of its time
+SMALL_SEQS = 8
+SMALL_TOKENS = 64
+
 
 @dataclass
 class AttentionMeta:
@@ -65,6 +70,10 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
     # dev box).
     n_seq = len(scheduled)
     seqs = [seq for seq, _ in scheduled]
+    if tables is not None and n_seq <= SMALL_SEQS:
+        rows = [seq.table_row for seq in seqs]
+        if min(rows) >= 0 and sum(n for _, n in scheduled) <= SMALL_TOKENS:
+            return _small_batch(scheduled, block_size, xp, drafts, tables, rows)
     counts = np.fromiter((n for _, n in scheduled), np.int64, n_seq)
     starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, n_seq)
     known = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, n_seq)
@@ -137,6 +146,68 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, xp,
         meta=meta,
         sample_rows=sample_rows,
         num_tokens=total,
+        **local,
+    )
+
+
+def _small_batch(scheduled, block_size: int, xp, drafts, tables: BlockTables, rows: list[int]) -> StepBatch:
+    """build_batch for a step of a few sequences and tokens (one stream's decode or verify step, a few streams'):
+    the same arrays, built per token in Python. The vectorized path's ~25 NumPy calls cost more than its work
+    there (~65 of a speculative step's ~290 us host time at one stream on the dev box); here a token costs a few
+    list operations. Only with `tables` (the engine's steps): the block tables are still one gather."""
+    idx = np.asarray(rows)
+    lens = tables.lens[idx]
+    max_blocks = int(lens.max())
+    block_tables = tables.glob[idx, :max_blocks]
+    local_raw = None if tables.local is None else tables.local[idx, :max_blocks]
+    g_rows, l_rows, lens = block_tables.tolist(), None if local_raw is None else local_raw.tolist(), lens.tolist()
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    local_slots: list[int] = []
+    logits_rows: list[int] = []
+    sample_rows: list[int] = []
+    query_start, seq_lens, q = [0], [], 0
+    for b, (seq, n) in enumerate(scheduled):
+        start, end = seq.num_computed, seq.num_computed + n
+        draft = drafts.get(b) if drafts else None
+        nd = len(draft) if draft else 0
+        tokens += seq.token_ids[start : end - nd]
+        if nd:
+            tokens += draft
+        table, count = g_rows[b], lens[b]
+        local = l_rows[b] if l_rows is not None else None
+        for p in range(start, end):
+            block, offset = divmod(p, block_size)
+            assert block < count, "a token past its sequence's allocated blocks"
+            slots.append(table[block] * block_size + offset)
+            if local is not None:
+                assert local[block] >= 0, "a local block the step writes was released"
+                local_slots.append(local[block] * block_size + offset)
+        positions += range(start, end)
+        # its chunk reaches the end of its known tokens (drafts included): its last known token's and each draft
+        # token's logits rows
+        if end == len(seq.token_ids) + nd:
+            logits_rows += range(q + n - 1 - nd, q + n)
+            sample_rows += [b] * (1 + nd)
+        q += n
+        query_start.append(q)
+        seq_lens.append(end)
+    query_start = np.asarray(query_start, np.int32)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    local = {}
+    if local_raw is not None:
+        local = {"local_slot_mapping": xp.asarray(np.asarray(local_slots, np.int64)),
+                 "local_meta": AttentionMeta(query_start, seq_lens, np.maximum(local_raw, 0).astype(np.int32),
+                                             block_size)}
+    return StepBatch(
+        token_ids=xp.asarray(np.asarray(tokens, np.int32)),
+        positions=xp.asarray(np.asarray(positions, np.int32)),
+        slot_mapping=xp.asarray(np.asarray(slots, np.int64)),
+        logits_indices=xp.asarray(np.asarray(logits_rows, np.int64)),
+        meta=AttentionMeta(query_start, seq_lens, block_tables, block_size),
+        sample_rows=sample_rows,
+        num_tokens=q,
         **local,
     )
 
