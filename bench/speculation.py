@@ -179,10 +179,11 @@ def decode(engine, requests) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "made": made, "drafted": drafted, "accepted": accepted}
 
 
-def request(rid: str, ids: list[int], tokens: int, prediction=None):
+def request(rid: str, ids: list[int], tokens: int, prediction=None, temperature: float = 0.0, seed: int | None = None):
     from workers.protocol import GenerateRequest, SamplingParams
 
-    return GenerateRequest(request_id=rid, prompt_ids=ids, max_tokens=tokens, sampling=SamplingParams(temperature=0.0),
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    return GenerateRequest(request_id=rid, prompt_ids=ids, max_tokens=tokens, sampling=sampling,
                            ignore_eos=True, prediction_ids=prediction)
 
 
@@ -242,7 +243,10 @@ def grid_prompts(info, context: int, streams: int, workload: str = "code") -> li
     return out
 
 
-def grid_measures(engine, info, device_profile, contexts, concurrency, ks, tokens, workload="code") -> dict:
+def grid_measures(engine, info, device_profile, contexts, concurrency, ks, tokens, workload="code",
+                  temperature: float = 0.0) -> dict:
+    """Each cell's requests at `temperature` (above 0: seeded by the stream's index, so every configuration
+    samples the same tokens: the draws are keyed by seed and position, whatever speculation does)."""
     configs = {"off": None, **{f"k{k}": fixed_k(k) for k in ks}, "adaptive": device_profile}
     measures, counter, kept = {}, iter(range(10**9)), {}
     for context in contexts:
@@ -253,7 +257,8 @@ def grid_measures(engine, info, device_profile, contexts, concurrency, ks, token
             for name, profile in configs.items():
                 def run(profile=profile, prompts=prompts, key=(context, streams, name)):
                     set_policy(engine, profile, kept, key)
-                    r = decode(engine, [request(f"g{next(counter)}", p, tokens) for p in prompts])
+                    r = decode(engine, [request(f"g{next(counter)}", p, tokens, temperature=temperature,
+                                                seed=i if temperature > 0 else None) for i, p in enumerate(prompts)])
                     return {"decode_tok_s": r["made"] / r["seconds"],
                             "acceptance": r["accepted"] / r["drafted"] if r["drafted"] else None}
                 measures[f"L{context}-C{streams}-{name}"] = _async(run)
@@ -322,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="grid: streams at once")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4], help="grid: fixed K values besides 0")
     ap.add_argument("--workload", default="code", choices=["code", "chat"], help="grid: what the prompts ask")
+    ap.add_argument("--temperature", type=float, default=0.0, help="grid: the requests' temperature (0: greedy; "
+                    "1: OpenAI's default, no top_k/top_p), seeded per stream")
     ap.add_argument("--profile", default=None, help="device profile for the adaptive policy (default: by device)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads on the CPU path (the worker's default)")
     protocol.add_arguments(ap, Path("bench/results"))
@@ -345,14 +352,15 @@ def main(argv=None) -> int:
         measures = edit_measures(engine, info, profile, args.tokens)
     else:
         measures = grid_measures(engine, info, profile, args.contexts, args.concurrency, args.ks, args.tokens,
-                                 args.workload)
+                                 args.workload, args.temperature)
     started = time.time()
     records = asyncio.run(protocol.run(measures, args.repeats, args.warmup, not args.quiet))
     summary = protocol.summarize(records)
     metrics = ["decode_tok_s", "acceptance"] + (["identical"] if args.part == "edit" else [])
     notes = f"Device: {dev}; adaptive policy: profile `{profile.name}`.\n\n" + (
         edit_notes(records) if args.part == "edit" else grid_notes(records, summary, args.contexts, args.concurrency, args.ks))
-    name = f"speculation-{args.part}" + (f"-{args.workload}" if args.part == "grid" else "")
+    name = f"speculation-{args.part}" + (f"-{args.workload}" if args.part == "grid" else "") + (
+        f"-t{args.temperature:g}" if args.part == "grid" and args.temperature else "")
     doc = protocol.result_document(name, records, summary,
                                    vars(args) | {"out": str(args.out), "device": dev, "profile": profile.name}, started,
                                    machine)
