@@ -223,6 +223,7 @@ def spec_step(batch: int, k: int | None, tokens: int, miss: int, prompt: int = 2
                 add()
         return outputs
     step.steps = step.tokens = 0
+    step.engine = eng
     return step
 
 

@@ -13,6 +13,7 @@ from policy.profiles import DeviceProfile, SpeculationRule
 from policy.speculation import SpeculationGate
 from tests.integration.engine_helpers import PROMPTS, encode, make_engine
 from workers.cupy.engine import PENDING
+from workers.cupy import speculative
 from workers.cupy.speculative import Speculator
 from workers.protocol import GenerateRequest, SamplingParams
 
@@ -124,7 +125,9 @@ def test_steps_that_need_the_host_between_them_are_not_launched_ahead():
     assert got == ref and on.steps_ahead == 0
 
 
-def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_lets_them_overlap():
+def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_lets_them_overlap(monkeypatch):
+    """With every step searching for a draft (no wait after a failed search) none is launched ahead."""
+    monkeypatch.setattr(speculative, "MISS_WAIT_MAX", 0)
     drafting = DeviceProfile(name="k4", max_draft_tokens=4, draft_token_cost=0.0,
                              speculation=[SpeculationRule(max_context=10**9, k=4)])
     never = DeviceProfile(name="k0", max_draft_tokens=4, draft_token_cost=0.0,
@@ -137,6 +140,24 @@ def test_speculation_that_may_draft_keeps_steps_in_order_and_one_that_cannot_let
         got, _ = drive(on, requests(greedy))
         assert got == ref
         assert (on.steps_ahead > 0) is ahead, profile.name
+
+
+@pytest.mark.parametrize("sampling", [T1, SamplingParams(temperature=0.0)], ids=["t1", "greedy"])
+def test_a_search_that_finds_nothing_waits_and_the_steps_between_overlap(sampling):
+    """On the real model's text: after a prompt-lookup search finds no draft the sequence waits before the next
+    (MISS_WAIT_MAX; the exact waits: tests/unit/test_bench_step_host.py), the steps between are launched ahead,
+    drafts found between them are still verified, and the tokens are plain decoding's."""
+    drafting = DeviceProfile(name="k4", max_draft_tokens=4, draft_token_cost=0.0,
+                             speculation=[SpeculationRule(max_context=10**9, k=4)])
+    lengths = (60, 45)
+    ref, ref_final = drive(make_engine(), requests(sampling, lengths))
+    on = make_engine(overlap=True)
+    on.speculator = spec = Speculator(drafting)
+    got, final = drive(on, requests(sampling, lengths))
+    assert got == ref
+    same_usage(ref_final, final)
+    assert on.steps_ahead > 0, "no step ran ahead between failed searches"
+    assert sum(spec.steps_by_k[1:]) > 0, "nothing drafted"
 
 
 @pytest.mark.parametrize("gate", [False, True], ids=["no-gate", "gate-drafting"])

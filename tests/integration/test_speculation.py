@@ -17,6 +17,7 @@ from cache.hashing import chain_hashes
 from policy.profiles import DeviceProfile, SpeculationRule
 from tests.integration.engine_helpers import PROMPTS, encode, make_engine
 from tests.integration.engine_helpers import run as generate
+from workers.cupy import speculative
 from workers.cupy.speculative import Speculator
 from workers.protocol import GenerateRequest, SamplingParams
 
@@ -172,9 +173,11 @@ def test_sampling_keeps_the_distribution(prompts):
         assert chi2_contingency(table).pvalue > 0.001, counts
 
 
-def test_seeded_sampling_is_batch_and_speculation_invariant(prompts):
+def test_seeded_sampling_is_batch_and_speculation_invariant(prompts, monkeypatch):
     """A seeded request at temperature 1 gives the same tokens alone, batched with another request, and
-    with speculation verifying drafts: every draw is keyed by (seed, token index)."""
+    with speculation verifying drafts: every draw is keyed by (seed, token index). Every step searches for a
+    draft here (no wait after a failed search), so that 12 tokens of sampled text see verify steps."""
+    monkeypatch.setattr(speculative, "MISS_WAIT_MAX", 0)
     sampling = SamplingParams(temperature=1.0, seed=42)
     alone, _ = generate(spec_engine(4), prompts[:1], 12, sampling=sampling, max_draft_tokens=0)
     batched, _ = generate(spec_engine(4), prompts[1:2] + prompts[:1], 12, sampling=sampling, max_draft_tokens=0)
@@ -199,10 +202,11 @@ def test_a_finished_sequence_teaches_its_kinds_prior(prompts):
     assert spec.prior.start(("text", False, False)).rates == [PRIOR] * 16
 
 
-def test_every_sampled_row_was_staged_before_its_forward(prompts):
+def test_every_sampled_row_was_staged_before_its_forward(prompts, monkeypatch):
     """The device sampler's contract (workers/cupy/gpu GpuSampler draws inside the step): the rows the engine
     samples, in plain and verify steps alike, are exactly the rows it staged before that step's forward, at
-    the same logits rows. Checked here with the NumPy sampler, recording."""
+    the same logits rows. Checked here with the NumPy sampler, recording (every step searching for a draft)."""
+    monkeypatch.setattr(speculative, "MISS_WAIT_MAX", 0)
     from workers.cupy.sampler import Sampler
 
     class Recording(Sampler):

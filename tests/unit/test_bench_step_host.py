@@ -60,3 +60,29 @@ def test_the_spec_part_keeps_a_copys_drafts_and_breaks_them_where_the_model_leav
     assert step_host.main(["--part", "spec", "--k", "4", "--batches", "2", "--repeats", "1", "--calls", "3"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1 and len(rows[0].split("|")) == 8  # batch, pools, two timings, ratio, tokens a step
+
+
+def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahead(monkeypatch):
+    """A model that never continues the copy its prompt holds (--miss 1): every prompt-lookup search fails, so
+    the searches come 1, 2, 4, then MISS_WAIT_MAX steps apart (a gap of wait + 1 steps), the steps between are
+    launched ahead, and the tokens are those of speculation off."""
+    from workers.cupy import drafter, speculative
+
+    searched: list[int] = []
+    real = drafter.Drafter.propose
+
+    def counting(self, tokens, k):
+        searched.append(step.steps)
+        return real(self, tokens, k)
+    monkeypatch.setattr(drafter.Drafter, "propose", counting)
+    step = step_host.spec_step(1, 8, 60, miss=1)
+    tokens = []
+    for _ in range(61):  # the prefill step, then 60 decode steps (one token each: no draft is ever found)
+        tokens += [t for out in step(None, step_host.BLOCK, np) for t in out.token_ids]
+    gaps = [b - a for a, b in zip(searched, searched[1:])]
+    cap = speculative.MISS_WAIT_MAX
+    assert gaps[:5] == [2, 3, 5, cap + 1, cap + 1] and set(gaps[3:]) == {cap + 1}
+    assert step.engine.steps_ahead > 40
+    off = step_host.spec_step(1, None, 60, miss=1)
+    plain = [t for _ in range(61) for out in off(None, step_host.BLOCK, np) for t in out.token_ids]
+    assert tokens == plain

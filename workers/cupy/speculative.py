@@ -39,6 +39,17 @@ from workers.cupy.drafter import Drafter
 from workers.cupy.sequence import Sequence
 
 
+# After a prompt-lookup search finds nothing, a sequence waits 1, 2, 4, then MISS_WAIT_MAX steps (doubling with each
+# search in a row that fails) before it searches again: the steps between draft nothing whatever their tokens are, so
+# they are launched ahead (engine.py, overlap) instead of one at a time. In novel text most searches fail; each such
+# step drafted nothing and still lost the overlap. Replayed on the bundled model's own outputs for the served prompts
+# (4 x 160 tokens each, the CPU engine's exact draws; K 8; a step costing 0.88 ms overlapped, 1.10 one at a time,
+# 1.95 to verify, the H100's served figures of 2026-12-07: an estimate, not a GPU run), against searching every
+# step: greedy code edits 3.21 -> 3.27x of no speculation, temperature 1 code edits 1.01 -> 1.12x, greedy story
+# 2.07 -> 2.11x, temperature 1 story 0.76 -> 0.96x (BENCHMARKS.md, issue 19).
+MISS_WAIT_MAX = 8
+
+
 @dataclass
 class _SeqSpec:
     drafter: Drafter
@@ -46,6 +57,8 @@ class _SeqSpec:
     workload: str
     acceptance: Acceptance  # this sequence's online acceptance by draft position
     kind: tuple  # (workload, sampled, drafts from a given prediction): whose acceptance it starts from
+    misses: int = 0  # prompt-lookup searches in a row that found nothing
+    wait: int = 0  # steps left before the next search (MISS_WAIT_MAX)
 
 
 class Speculator:
@@ -108,10 +121,17 @@ class Speculator:
                     ks.append(0)
                     continue
             k = choose_depth(cap, spec.acceptance, running, self.profile.draft_token_cost)
+            lookup = k > 0 and not spec.drafter.prediction.size
+            if lookup and spec.wait:  # a failed search's wait: this step decodes without searching
+                spec.wait -= 1
+                k = 0
             ks.append(k)
             # drafts past the token limit could never be emitted; the step's token budget bounds its time
             k = min(k, seq.max_tokens - seq.num_output - 1, budget)
             draft = spec.drafter.propose(seq.token_ids, k) if k > 0 else []
+            if lookup and k > 0:
+                spec.misses = 0 if draft else spec.misses + 1
+                spec.wait = min(1 << (spec.misses - 1), MISS_WAIT_MAX) if spec.misses else 0
             if draft and engine.constraints is not None:
                 draft = draft[: engine.constraints.cut_drafts(seq.request_id, draft)]
             while draft and not engine.blocks.can_allocate(seq, 1 + len(draft)):
@@ -135,8 +155,9 @@ class Speculator:
         """Whether the next step of `seqs` (each decoding its next token) drafts nothing whatever their latest
         tokens are, so it may be launched before those are read (engine.py, overlap): no sequence has a
         prediction, and no rule drafts at this concurrency, or the gate has drafting from the context off here,
-        or it has it on and every sequence's acceptance says depth 0 for this step (no probe due): sampled text
-        while the gate explores drafting, which before ran those steps one at a time for nothing.
+        or it has it on and every sequence's acceptance says depth 0 for this step (no probe due) or waits after
+        a search that found nothing (MISS_WAIT_MAX): sampled text while the gate explores drafting, and novel text
+        where lookups fail, which before ran those steps one at a time for nothing.
         When it does, the step is counted and timed as propose() would count and time it."""
         self._forget_ended(engine)  # steps launched ahead may follow each other without a propose() between
         running = len(engine.scheduler.running)
@@ -154,12 +175,15 @@ class Speculator:
                     return False  # a prediction drafts in either mode
                 cap = choose_k(len(seq.token_ids) + 1, running, spec.workload, self.profile, spec.cap)
                 if cap > 0:
-                    if mode and next_depth(cap, spec.acceptance, running, cost) > 0:
+                    depth = next_depth(cap, spec.acceptance, running, cost) if mode else 0
+                    if depth > 0 and not spec.wait:
                         return False  # propose() drafts for it once its latest token is read
-                    eligible.append(spec.acceptance)
+                    eligible.append((spec, depth))
             if mode:
-                for acceptance in eligible:
-                    acceptance.counted(0)  # the step counts toward the next probe, as choose_depth counts it
+                for spec, depth in eligible:
+                    if depth > 0:
+                        spec.wait -= 1  # one of its waiting steps, as propose() counts it
+                    spec.acceptance.counted(depth)  # as choose_depth counts the step: depth 0 toward the next probe
             self._timed = (running, mode, sampled) if eligible and self.gate is not None else None
         self.steps_by_k[0] += len(seqs)
         self.last_k = 0
