@@ -51,6 +51,7 @@ def replay(prompt: list[int], output: list[int], k: int, wait_max: int) -> dict:
     """Step counts of one request: `verify` (a draft checked), `missed` (a search found nothing), `plain` (no
     search: waiting after misses)."""
     from workers.cupy.drafter import Drafter
+    from workers.cupy.speculative import miss_wait
 
     drafter, seq, i = Drafter(None, len(prompt)), list(prompt), 0
     steps, wait, misses = {"verify": 0, "missed": 0, "plain": 0}, 0, 0
@@ -67,7 +68,7 @@ def replay(prompt: list[int], output: list[int], k: int, wait_max: int) -> dict:
             seq.append(output[i])
             i += 1
             misses += 1
-            wait = min(1 << (misses - 1), wait_max) if wait_max else 0
+            wait = miss_wait(misses, wait_max)
             continue
         misses = kept = 0
         while kept < len(draft) and draft[kept] == output[i + kept]:

@@ -176,14 +176,14 @@ def _small_batch(scheduled, block_size: int, xp, drafts, tables: BlockTables, ro
         if nd:
             tokens += draft
         table, count = g_rows[b], lens[b]
-        local = l_rows[b] if l_rows is not None else None
+        local_table = l_rows[b] if l_rows is not None else None
         for p in range(start, end):
             block, offset = divmod(p, block_size)
             assert block < count, "a token past its sequence's allocated blocks"
             slots.append(table[block] * block_size + offset)
-            if local is not None:
-                assert local[block] >= 0, "a local block the step writes was released"
-                local_slots.append(local[block] * block_size + offset)
+            if local_table is not None:
+                assert local_table[block] >= 0, "a local block the step writes was released"
+                local_slots.append(local_table[block] * block_size + offset)
         positions += range(start, end)
         # its chunk reaches the end of its known tokens (drafts included): its last known token's and each draft
         # token's logits rows

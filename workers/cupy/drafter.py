@@ -110,7 +110,7 @@ class Drafter:
                 return ctx[pos : pos + k].tolist()
         self._walk = None
         # the suffix itself ends the sequence, so it has no following token and is never matched
-        n, starts = longest_matches(ctx, ctx, min(self.max_ngram, ctx.size - 1), self.min_ngram)
+        n, starts = longest_matches(ctx, ctx, self.max_ngram, self.min_ngram)  # it caps n at ctx.size - 1
         if n:
             pos = int(starts[-1])
             self._walk = (pos, ctx.size)

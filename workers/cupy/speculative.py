@@ -50,6 +50,11 @@ from workers.cupy.sequence import Sequence
 MISS_WAIT_MAX = 8
 
 
+def miss_wait(misses: int, cap: int) -> int:
+    """Steps to wait before the next search after `misses` failed searches in a row: 1, 2, 4, ... up to `cap`."""
+    return min(1 << (misses - 1), cap) if misses else 0
+
+
 @dataclass
 class _SeqSpec:
     drafter: Drafter
@@ -131,7 +136,7 @@ class Speculator:
             draft = spec.drafter.propose(seq.token_ids, k) if k > 0 else []
             if lookup and k > 0:
                 spec.misses = 0 if draft else spec.misses + 1
-                spec.wait = min(1 << (spec.misses - 1), MISS_WAIT_MAX) if spec.misses else 0
+                spec.wait = miss_wait(spec.misses, MISS_WAIT_MAX)
             if draft and engine.constraints is not None:
                 draft = draft[: engine.constraints.cut_drafts(seq.request_id, draft)]
             while draft and not engine.blocks.can_allocate(seq, 1 + len(draft)):
