@@ -269,10 +269,11 @@ class Engine:
                 going.append(s)
                 index[s] = i
                 need += s.num_computed >= len(s.block_table) * bs
-        if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
-            return None
         if not self.blocks.can_take(need):
             return None  # the ordinary step preempts where it must
+        # last of the checks that cost nothing: skip_drafts counts the step (a failed search's wait) when it says yes
+        if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
+            return None
         held = self.sampler.hold(cur.logits, cur.rows)
         if held is None:
             return None
