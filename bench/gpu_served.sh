@@ -10,7 +10,7 @@
 #    `cd .device/clean && bash bench/gpu_served.sh story`: the result then names the archived commit)
 #
 # Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
-# clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the
+# clients, greedy and temperature 1, interleaved (PROFILE: the device profile, h200 unless given: cuda on an H100); every run lands in $OUT/records.jsonl as it finishes, and the
 # summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes, TARGETS the targets.
 # The JSON-schema part: llama-server direct is slow there (2026-12-02 on the H200: 118 tok/s at 32 clients, all 64
 # of its 64-client requests past a 60 s timeout, so the warm-up round alone took the call's 240 s); keep --timeout
@@ -59,7 +59,7 @@ if [[ $targets == *llama* ]] && ! llama_built; then
 fi
 # SIGINT at the limit: bench/served.py stops its servers and still summarizes the runs that ended (SIGKILL 40 s later)
 timeout --signal=INT -k 40 "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
-  --device cuda --profile h200 --targets $targets --workloads "$workload" --out "$res" --quiet \
+  --device cuda --profile "${PROFILE:-h200}" --targets $targets --workloads "$workload" --out "$res" --quiet \
   ${SERVED_ARGS:---clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 3 --warmup 1 --duration 15 --timeout 60} \
   2>&1 | tail -40
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
