@@ -86,3 +86,31 @@ def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahea
     off = step_host.spec_step(1, None, 60, miss=1)
     plain = [t for _ in range(61) for out in off(None, step_host.BLOCK, np) for t in out.token_ids]
     assert tokens == plain
+
+
+def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch):
+    """When the step after a failed search cannot be launched ahead (here: no free blocks for it, as
+    _launch_ahead checks), it runs as an ordinary step, and its wait is counted by that step only: the searches
+    still come 1, 2, 4, then MISS_WAIT_MAX steps apart."""
+    import sys
+
+    from workers.cupy import drafter, speculative
+
+    searched: list[int] = []
+    real = drafter.Drafter.propose
+
+    def counting(self, tokens, k):
+        searched.append(step.steps)
+        return real(self, tokens, k)
+    monkeypatch.setattr(drafter.Drafter, "propose", counting)
+    step = step_host.spec_step(1, 8, 60, miss=1)
+    blocks = step.engine.blocks
+    take = blocks.can_take
+    # only the launch ahead is refused: the scheduler's own allocations go on as before
+    blocks.can_take = lambda need: sys._getframe(1).f_code.co_name != "_launch_ahead" and take(need)
+    for _ in range(61):
+        step(None, step_host.BLOCK, np)
+    gaps = [b - a for a, b in zip(searched, searched[1:])]
+    cap = speculative.MISS_WAIT_MAX
+    assert gaps[:5] == [2, 3, 5, cap + 1, cap + 1] and set(gaps[3:]) == {cap + 1}
+    assert step.engine.steps_ahead == 0
