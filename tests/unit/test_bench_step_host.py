@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench import step_host
 from workers.cupy import engine
@@ -88,10 +89,11 @@ def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahea
     assert tokens == plain
 
 
-def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch):
-    """When the step after a failed search cannot be launched ahead (here: no free blocks for it, as
-    _launch_ahead checks), it runs as an ordinary step, and its wait is counted by that step only: the searches
-    still come 1, 2, 4, then MISS_WAIT_MAX steps apart."""
+@pytest.mark.parametrize("refused", ["blocks", "draws"])
+def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch, refused):
+    """When the step after a failed search cannot be launched ahead (no free blocks for it, or draws the sampler
+    cannot hold: _launch_ahead checks both after asking the speculator), it runs as an ordinary step, and its wait
+    is counted by that step only: the searches still come 1, 2, 4, then MISS_WAIT_MAX steps apart."""
     import sys
 
     from workers.cupy import drafter, speculative
@@ -104,10 +106,13 @@ def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch):
         return real(self, tokens, k)
     monkeypatch.setattr(drafter.Drafter, "propose", counting)
     step = step_host.spec_step(1, 8, 60, miss=1)
-    blocks = step.engine.blocks
-    take = blocks.can_take
-    # only the launch ahead is refused: the scheduler's own allocations go on as before
-    blocks.can_take = lambda need: sys._getframe(1).f_code.co_name != "_launch_ahead" and take(need)
+    if refused == "blocks":
+        blocks = step.engine.blocks
+        take = blocks.can_take
+        # only the launch ahead is refused: the scheduler's own allocations go on as before
+        blocks.can_take = lambda need: sys._getframe(1).f_code.co_name != "_launch_ahead" and take(need)
+    else:
+        step.engine.sampler.hold = lambda logits, rows: None
     for _ in range(61):
         step(None, step_host.BLOCK, np)
     gaps = [b - a for a, b in zip(searched, searched[1:])]

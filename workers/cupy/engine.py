@@ -271,7 +271,6 @@ class Engine:
                 need += s.num_computed >= len(s.block_table) * bs
         if not self.blocks.can_take(need):
             return None  # the ordinary step preempts where it must
-        # last of the checks that cost nothing: skip_drafts counts the step (a failed search's wait) when it says yes
         if self.speculator is not None and going and not self.speculator.skip_drafts(self, going):
             return None
         held = self.sampler.hold(cur.logits, cur.rows)
@@ -288,6 +287,8 @@ class Engine:
         self.phase_seconds["schedule"] += time.perf_counter() - t0
         if not scheduled:
             return None
+        if self.speculator is not None and going:
+            self.speculator.skipped()  # counted (a failed search's wait) only now that it is launched
         nxt = self._launch(scheduled, (held[0], index))
         nxt.ahead = True
         self.steps_ahead += 1

@@ -83,6 +83,7 @@ class Speculator:
         self.drafted_by_position = [0] * width
         self.accepted_by_position = [0] * width
         self._may_draft: dict[int, bool] = {}  # running count -> whether any table rule drafts there
+        self._skip: tuple = ([], None, 0)  # skip_drafts' latest yes, for skipped() to count once it is launched
 
     def attach(self, seq: Sequence, request) -> None:
         workload = SCHEMA if request.grammar is not None else TEXT
@@ -163,15 +164,15 @@ class Speculator:
         or it has it on and every sequence's acceptance says depth 0 for this step (no probe due) or waits after
         a search that found nothing (MISS_WAIT_MAX): sampled text while the gate explores drafting, and novel text
         where lookups fail, which before ran those steps one at a time for nothing.
-        When it does, the step is counted and timed as propose() would count and time it."""
+        When it does, the step is counted and timed as propose() would count and time it, by skipped(), which the
+        engine calls once it launches the step (a launch that backs out after this leaves the step to propose())."""
         self._forget_ended(engine)  # steps launched ahead may follow each other without a propose() between
         running = len(engine.scheduler.running)
-        if not self.may_draft(running):
-            self._timed = None
-        else:
+        timed, eligible = None, []
+        if self.may_draft(running):
             sampled = 2 * sum(not seq.sampling.greedy for seq in seqs) > len(seqs)
             mode = self.gate.drafting(running, sampled) if self.gate is not None else True
-            cost, eligible = self.profile.draft_token_cost, []
+            cost = self.profile.draft_token_cost
             for seq in seqs:
                 spec = self._seqs.get(seq.request_id)
                 if spec is None:
@@ -184,15 +185,21 @@ class Speculator:
                     if depth > 0 and not spec.wait:
                         return False  # propose() drafts for it once its latest token is read
                     eligible.append((spec, depth))
-            if mode:
-                for spec, depth in eligible:
-                    if depth > 0:
-                        spec.wait -= 1  # one of its waiting steps, as propose() counts it
-                    spec.acceptance.counted(depth)  # as choose_depth counts the step: depth 0 toward the next probe
-            self._timed = (running, mode, sampled) if eligible and self.gate is not None else None
-        self.steps_by_k[0] += len(seqs)
-        self.last_k = 0
+            timed = (running, mode, sampled) if eligible and self.gate is not None else None
+            if not mode:
+                eligible = []  # counted only in drafting mode, as propose() counts them
+        self._skip = (eligible, timed, len(seqs))
         return True
+
+    def skipped(self) -> None:
+        """The step skip_drafts() last said yes to was launched: count and time it as propose() would."""
+        eligible, self._timed, n = self._skip
+        for spec, depth in eligible:
+            if depth > 0:
+                spec.wait -= 1  # one of its waiting steps, as propose() counts it
+            spec.acceptance.counted(depth)  # as choose_depth counts the step: depth 0 toward the next probe
+        self.steps_by_k[0] += n
+        self.last_k = 0
 
     def _forget_ended(self, engine) -> None:
         for rid in [r for r in self._seqs if r not in engine.seqs]:  # finished or aborted since
