@@ -63,11 +63,10 @@ def test_the_spec_part_keeps_a_copys_drafts_and_breaks_them_where_the_model_leav
     assert len(rows) == 1 and len(rows[0].split("|")) == 8  # batch, pools, two timings, ratio, tokens a step
 
 
-def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahead(monkeypatch):
-    """A model that never continues the copy its prompt holds (--miss 1): every prompt-lookup search fails, so
-    the searches come 1, 2, 4, then MISS_WAIT_MAX steps apart (a gap of wait + 1 steps), the steps between are
-    launched ahead, and the tokens are those of speculation off."""
-    from workers.cupy import drafter, speculative
+def missing_copy(monkeypatch, refuse=None):
+    """A speculative step over a model that never continues its prompt's copy (--miss 1), every prompt-lookup
+    search failing; returns (the step, the step count at each search). `refuse(engine)` may change the engine."""
+    from workers.cupy import drafter
 
     searched: list[int] = []
     real = drafter.Drafter.propose
@@ -77,45 +76,54 @@ def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahea
         return real(self, tokens, k)
     monkeypatch.setattr(drafter.Drafter, "propose", counting)
     step = step_host.spec_step(1, 8, 60, miss=1)
+    if refuse is not None:
+        refuse(step.engine)
+    return step, searched
+
+
+def search_gaps_ok(searched: list[int]) -> bool:
+    """The searches come 1, 2, 4, then MISS_WAIT_MAX steps apart (a gap of wait + 1 steps)."""
+    from workers.cupy import speculative
+
+    gaps = [b - a for a, b in zip(searched, searched[1:])]
+    cap = speculative.MISS_WAIT_MAX
+    return gaps[:5] == [2, 3, 5, cap + 1, cap + 1] and set(gaps[3:]) == {cap + 1}
+
+
+def test_failed_searches_wait_one_two_four_then_the_cap_and_those_steps_run_ahead(monkeypatch):
+    """Every prompt-lookup search fails, so the searches come 1, 2, 4, then MISS_WAIT_MAX steps apart, the steps
+    between are launched ahead, and the tokens are those of speculation off."""
+    step, searched = missing_copy(monkeypatch)
     tokens = []
     for _ in range(61):  # the prefill step, then 60 decode steps (one token each: no draft is ever found)
         tokens += [t for out in step(None, step_host.BLOCK, np) for t in out.token_ids]
-    gaps = [b - a for a, b in zip(searched, searched[1:])]
-    cap = speculative.MISS_WAIT_MAX
-    assert gaps[:5] == [2, 3, 5, cap + 1, cap + 1] and set(gaps[3:]) == {cap + 1}
+    assert search_gaps_ok(searched), searched
     assert step.engine.steps_ahead > 40
     off = step_host.spec_step(1, None, 60, miss=1)
     plain = [t for _ in range(61) for out in off(None, step_host.BLOCK, np) for t in out.token_ids]
     assert tokens == plain
 
 
-@pytest.mark.parametrize("refused", ["blocks", "draws"])
-def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch, refused):
-    """When the step after a failed search cannot be launched ahead (no free blocks for it, or draws the sampler
-    cannot hold: _launch_ahead checks both after asking the speculator), it runs as an ordinary step, and its wait
-    is counted by that step only: the searches still come 1, 2, 4, then MISS_WAIT_MAX steps apart."""
+def _refuse_blocks(engine):
     import sys
 
-    from workers.cupy import drafter, speculative
+    take = engine.blocks.can_take
+    # only the launch ahead is refused: the scheduler's own allocations go on as before
+    engine.blocks.can_take = lambda need: sys._getframe(1).f_code.co_name != "_launch_ahead" and take(need)
 
-    searched: list[int] = []
-    real = drafter.Drafter.propose
 
-    def counting(self, tokens, k):
-        searched.append(step.steps)
-        return real(self, tokens, k)
-    monkeypatch.setattr(drafter.Drafter, "propose", counting)
-    step = step_host.spec_step(1, 8, 60, miss=1)
-    if refused == "blocks":
-        blocks = step.engine.blocks
-        take = blocks.can_take
-        # only the launch ahead is refused: the scheduler's own allocations go on as before
-        blocks.can_take = lambda need: sys._getframe(1).f_code.co_name != "_launch_ahead" and take(need)
-    else:
-        step.engine.sampler.hold = lambda logits, rows: None
+def _refuse_draws(engine):
+    engine.sampler.hold = lambda logits, rows: None
+
+
+@pytest.mark.parametrize("refuse", [_refuse_blocks, _refuse_draws])
+def test_a_waiting_step_that_cannot_launch_ahead_is_counted_once(monkeypatch, refuse):
+    """When the step after a failed search cannot be launched ahead (no free blocks for it, or draws the sampler
+    cannot hold: _launch_ahead checks both after asking the speculator), it runs as an ordinary step, and its wait
+    is counted by that step only: the searches still come 1, 2, 4, then MISS_WAIT_MAX steps apart (before the
+    split of skip_drafts and skipped: 1, 2, 3, 5, 5)."""
+    step, searched = missing_copy(monkeypatch, refuse)
     for _ in range(61):
         step(None, step_host.BLOCK, np)
-    gaps = [b - a for a, b in zip(searched, searched[1:])]
-    cap = speculative.MISS_WAIT_MAX
-    assert gaps[:5] == [2, 3, 5, cap + 1, cap + 1] and set(gaps[3:]) == {cap + 1}
+    assert search_gaps_ok(searched), searched
     assert step.engine.steps_ahead == 0
