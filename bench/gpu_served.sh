@@ -10,8 +10,9 @@
 #    `cd .device/clean && bash bench/gpu_served.sh story`: the result then names the archived commit)
 #
 # Each part runs pulse (adaptive speculation), pulse-k0 (speculation off) and llama-server direct at 1/8/32/64
-# clients, greedy and temperature 1, interleaved (PROFILE: the device profile, h200 unless given: cuda on an H100); every run lands in $OUT/records.jsonl as it finishes, and the
-# summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes, TARGETS the targets.
+# clients, greedy and temperature 1, interleaved; every run lands in $OUT/records.jsonl as it finishes, and the
+# summary (JSON, table, PNG) when the part ends. SERVED_ARGS overrides the repeats and sizes, TARGETS the targets,
+# PROFILE the device profile (h200 unless given; cuda on an H100 machine, as `pulse serve` picks there).
 # The JSON-schema part: llama-server direct is slow there (2026-12-02 on the H200: 118 tok/s at 32 clients, all 64
 # of its 64-client requests past a 60 s timeout, so the warm-up round alone took the call's 240 s); keep --timeout
 # short and the repeats few so that the call ends with a table:
