@@ -138,6 +138,7 @@ class StreamSeen:
     exception: str | None = None
     seconds: float = 0.0
     ended: float = 0.0  # time.monotonic() when the stream ended
+    first: float | None = None  # seconds from the request to its first content event
     text: str = ""  # the content deltas, joined
     finish_reason: str | None = None
     usage: dict | None = None  # the usage chunk (stream_options.include_usage)
@@ -149,16 +150,21 @@ class StreamSeen:
 
 
 async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, on_event=None,
-                      timeout_s: float = 60.0) -> StreamSeen:
-    """Stream one chat completion and record every kind of event; `on_event(seen)` runs after each one."""
+                      timeout_s: float = 60.0, path: str = CHAT) -> StreamSeen:
+    """Stream one chat completion (or, with `path` /v1/completions, a completion) and record every kind of event;
+    `on_event(seen)` runs after each one."""
     seen = StreamSeen()
     t0 = time.monotonic()
     try:
-        async with session.post(base + CHAT, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             seen.status, seen.worker = r.status, r.headers.get("x-pulse-worker")
             seen.retry_after = r.headers.get("Retry-After")
             if r.status != 200:
-                seen.error_events.append(json.loads(await r.read()))
+                raw = await r.read()
+                try:
+                    seen.error_events.append(json.loads(raw))
+                except ValueError:  # not JSON (a proxy's page, a bare 502): kept as text
+                    seen.error_events.append({"raw": raw[:200].decode(errors="replace")})
             else:
                 async for line in r.content:
                     seen.body_bytes += len(line)
@@ -174,6 +180,8 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
                     else:
                         seen.content_events += 1
                         _take(seen, event)
+                        if seen.first is None and seen.text:
+                            seen.first = time.monotonic() - t0
                     if on_event is not None:
                         await on_event(seen)
                 seen.closed = True
@@ -186,7 +194,7 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
 
 def _take(seen: StreamSeen, event: dict) -> None:
     for choice in event.get("choices") or ():
-        seen.text += (choice.get("delta") or {}).get("content") or ""
+        seen.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""  # chat or completions
         seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
     if event.get("usage"):
         seen.usage = event["usage"]

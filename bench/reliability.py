@@ -1,6 +1,7 @@
-"""Load soak for the reliability suite: N concurrent streams for T seconds against the load-test backend.
+"""Load soak for the reliability suite: N concurrent streams for T seconds, the load-test backend or a real one.
 
     python -m bench.reliability load --streams 1000 --seconds 60
+    python -m bench.reliability load --backend llama-server --streams 32 --seconds 600 --warmup 60   # a real model
     python -m bench.reliability kill --streams 32 --repeats 3    # a worker killed under load: streams lost
     python -m bench.reliability kill --backend llama-server --streams 16 --kill llama-server   # its child only
 
@@ -9,6 +10,14 @@ for seconds), runs N closed-loop streaming clients (one aiohttp session, connect
 warm-up and then the measured window, samples the RSS of the gateway replica and of each worker process
 once a second, and afterwards checks that no slot is held. Passes when the only errors are explicit 429s,
 RSS growth over the measured window (after the warm-up) is under 10% for every process, and nothing leaked.
+
+With `--backend llama-server` or `cupy` it soaks a real model instead, as `pulse serve` ships (no settings but the
+backend: both bundled models, the box's device profile): each client's requests rotate over a chat question, a
+story completion, a code edit and a JSON-schema chat, every prompt distinct, with the sampling settings OpenAI's
+clients send (none: temperature 1), each request checked whole (200, a finish reason, `[DONE]`, no error event);
+a client refused with 429 waits its Retry-After (at most 10 s) as the SDKs do. It also samples the RSS of each
+worker's llama-server and the gateway's view of every worker once a second, and fails on any sample that had a
+worker not routable (a busy worker marked unhealthy).
 Writes bench/results/reliability-load-<time>.json and prints a Markdown summary.
 """
 from __future__ import annotations
@@ -29,8 +38,10 @@ import aiohttp
 
 from bench import loops
 from bench.faults import (
+    CHAT,
     MODEL,
     both_serving,
+    child_pids,
     kill_under_streams,
     listening_pids,
     port_of,
@@ -45,6 +56,7 @@ from bench.loadgen import LoadSpec, RequestResult, one_request, percentiles, req
 from bench.machine import machine_info
 from bench.procs import Proc, python_module
 from bench.protocol import command_line
+from bench.served import SCHEMA, SUBJECTS, prompt_at
 
 OUT = Path(__file__).resolve().parent / "results"
 MAX_RSS_GROWTH = 0.10
@@ -57,9 +69,59 @@ class Soak:
     warmup_s: float = 15.0
     tokens: int = 32  # per request
     tokens_per_s: float = 4.0  # per stream: 32 tokens take ~8 s, so every client is mid-stream nearly always
+    backend: str = "loadtest"  # or a real one: llama-server, cupy
+
+
+REAL_TIMEOUT_S = 180.0  # a real request's bound, queueing included: beyond it the soak counts a hang
+RETRY_AFTER_MAX_S = 10.0
+REAL_KINDS = ("chat", "story", "code", "json")
+CHAT_MODEL, BASE_MODEL = "smollm2-135m-instruct", "gemma-3-270m"  # the bundled models `pulse serve` serves
+
+
+def real_request(i: int, tokens: int) -> tuple[str, dict]:
+    """(path, body) of a real soak's i-th request: a chat question, a story, a code edit or a JSON-schema chat in
+    turn, every prompt distinct, stories on both bundled models; no sampling settings (OpenAI's default)."""
+    kind, n = REAL_KINDS[i % len(REAL_KINDS)], i // len(REAL_KINDS)
+    common = {"max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if kind == "chat":
+        text = f"Question {n}: what would {SUBJECTS[n % len(SUBJECTS)]} find hardest about city life?"
+        return CHAT, {"model": CHAT_MODEL, "messages": [{"role": "user", "content": text}], **common}
+    if kind == "json":
+        return CHAT, {"model": CHAT_MODEL, "messages": [{"role": "user", "content": prompt_at("json", n)}],
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}},
+                      **common}
+    model = BASE_MODEL if kind == "story" and n % 2 == 0 else CHAT_MODEL
+    return "/v1/completions", {"model": model, "prompt": prompt_at(kind, n), **common}
+
+
+async def real_one(session: aiohttp.ClientSession, base: str, i: int, tokens: int) -> tuple[RequestResult, float]:
+    """One real soak request as a RequestResult (an accepted request that did not end whole is an error), and
+    how long its client waits before the next (a 429's Retry-After)."""
+    path, body = real_request(i, tokens)
+    seen = await stream_chat(session, base, body, timeout_s=REAL_TIMEOUT_S, path=path)
+    r = RequestResult(status=seen.status, ttft=seen.first, total=seen.seconds,
+                      tokens=(seen.usage or {}).get("completion_tokens", 0))
+    if seen.exception:
+        r.error = seen.exception
+    elif seen.status == 200 and not seen.complete:
+        r.error = "incomplete stream" if not seen.error_events else "error event"
+    wait = 0.0
+    if seen.status == 429:
+        try:
+            wait = min(float(seen.retry_after or 1), RETRY_AFTER_MAX_S)
+        except ValueError:
+            wait = 1.0
+    return r, wait
 
 
 def server_config(soak: Soak) -> str:
+    if soak.backend != "loadtest":  # as shipped: the backend named, nothing else
+        return f"""
+workers:
+  backend: {soak.backend}
+server:
+  drain_grace_s: 2
+"""
     return f"""
 model: {{name: gemma-3-270m}}  # one model (a config naming none serves both bundled ones)
 workers:
@@ -90,11 +152,25 @@ async def server_pids(session: aiohttp.ClientSession, base: str) -> dict[str, in
     return out
 
 
-async def _sample(pids: dict[str, int], series: dict[str, list[tuple[float, int]]], t0: float, stop: asyncio.Event):
+def with_children(pids: dict[str, int], name: str = "llama-server") -> dict[str, int]:
+    """`pids` and each worker's child named `name` (its llama-server), as '<worker>/<name>'."""
+    out = dict(pids)
+    for w, pid in pids.items():
+        if w != "gateway":
+            for i, child in enumerate(child_pids(pid, name)):
+                out[f"{w}/{name}" + (f"#{i}" if i else "")] = child
+    return out
+
+
+async def _sample(pids: dict[str, int], series: dict[str, list[tuple[float, int]]], t0: float, stop: asyncio.Event,
+                  view=None):
+    """RSS of every process once a second; with `view` (an async callable), the gateway's worker rows too."""
     while not stop.is_set():
         now = time.monotonic() - t0
         for name, pid in pids.items():
             series.setdefault(name, []).append((round(now, 2), rss_bytes(pid)))
+        if view is not None:
+            await view()
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:
@@ -119,7 +195,9 @@ def memory_report(series: dict[str, list[tuple[float, int]]], start: float, end:
 async def drive(base: str, soak: Soak, progress: bool = False) -> dict:
     """Run the soak against a running server; returns the figures and a verdict."""
     raise_fd_limit(4 * soak.streams + 256)
-    spec = LoadSpec(url=base, model=MODEL, max_tokens=soak.tokens, stream=True, timeout=60)
+    real = soak.backend != "loadtest"
+    spec = LoadSpec(url=base, model=MODEL, max_tokens=soak.tokens, stream=True,
+                    timeout=REAL_TIMEOUT_S + 10 if real else 60)
     path, body = request_body(spec)
     connector = aiohttp.TCPConnector(limit=soak.streams + 16)
     timeout = aiohttp.ClientTimeout(total=spec.timeout)
@@ -127,21 +205,39 @@ async def drive(base: str, soak: Soak, progress: bool = False) -> dict:
     all_status: Counter = Counter()
     all_errors: Counter = Counter()
     series: dict[str, list[tuple[float, int]]] = {}
+    not_routable: Counter = Counter()  # samples of the gateway's view in which a worker was not routable
+    views = [0]
+    numbered = iter(range(1 << 62))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         pids = await server_pids(session, base)
+        if real:
+            pids = with_children(pids)
+
+        async def view() -> None:
+            views[0] += 1
+            for w in await workers(session, base):
+                if not w["routable"]:
+                    not_routable[w["worker_id"]] += 1
+
         t0 = time.monotonic()
         start, end = t0 + soak.warmup_s, t0 + soak.warmup_s + soak.seconds
         stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample(pids, series, t0, stop))
+        sampler = asyncio.create_task(_sample(pids, series, t0, stop, view if real else None))
 
         async def client() -> None:
             while (began := time.monotonic()) < end:
-                r = await one_request(session, base + path, body, True)
+                wait = 0.0
+                if real:
+                    r, wait = await real_one(session, base, next(numbered), soak.tokens)
+                else:
+                    r = await one_request(session, base + path, body, True)
                 all_status[r.status] += 1
                 if r.status != 429 and (r.status != 200 or r.error):
                     all_errors[r.error or str(r.status)] += 1
                 if began >= start:
                     measured.append(r)
+                if wait:
+                    await asyncio.sleep(min(wait, max(0.0, end - time.monotonic())))
 
         ticker = asyncio.create_task(_progress(t0, end, measured, all_errors)) if progress else None
         await asyncio.gather(*(client() for _ in range(soak.streams)))
@@ -152,8 +248,14 @@ async def drive(base: str, soak: Soak, progress: bool = False) -> dict:
             ticker.cancel()
         to_idle = await settled_idle(session, base, timeout_s=10)
         rows = await workers(session, base)
-    return report(soak, measured, all_status, all_errors, series, (start - t0, end - t0), drained - end, to_idle,
-                  rows, pids)
+    doc = report(soak, measured, all_status, all_errors, series, (start - t0, end - t0), drained - end, to_idle,
+                 rows, pids)
+    if real:
+        doc["gateway_views"], doc["not_routable_samples"] = views[0], dict(not_routable)
+        if not_routable:
+            doc["failures"].append(f"workers not routable in {sum(not_routable.values())} of {views[0]} samples of "
+                                   f"the gateway's view: {dict(not_routable)}")
+    return doc
 
 
 async def _progress(t0: float, end: float, measured: list, errors: Counter) -> None:
@@ -199,8 +301,10 @@ def verdict(doc: dict) -> list[str]:
 
 def markdown(doc: dict) -> str:
     s = doc["soak"]
+    pace = (f"at {s['tokens_per_s']} tokens/s/stream" if s["backend"] == "loadtest" else
+            f"at most ({s['backend']}, chat / story / code edit / JSON schema in turn, OpenAI's default sampling)")
     lines = [f"{s['streams']} streams x {s['seconds']:.0f} s (warm-up {s['warmup_s']:.0f} s discarded), "
-             f"{s['tokens']} tokens/request at {s['tokens_per_s']} tokens/s/stream",
+             f"{s['tokens']} tokens/request {pace}",
              "", "| figure | value |", "| --- | --- |",
              f"| requests completed (measured window) | {doc['completed_measured']} ({doc['req_s']} req/s) |",
              f"| tokens streamed (measured window) | {doc['tokens_measured']} |",
@@ -210,6 +314,9 @@ def markdown(doc: dict) -> str:
     for name, m in doc["memory"].items():
         lines.append(f"| RSS {name} start -> end (peak) | {m['rss_start_mib']} -> {m['rss_end_mib']} MiB "
                      f"({m['rss_peak_mib']}), {m['growth']:+.1%} |")
+    if "gateway_views" in doc:
+        lines.append(f"| samples of the gateway's view with a worker not routable | "
+                     f"{sum(doc['not_routable_samples'].values())} of {doc['gateway_views']} |")
     lines.append(f"| slots held afterwards | {doc['after']} (idle after {doc['seconds_until_no_slot_held']} s) |")
     lines.append(f"| verdict | {'PASS' if not doc['failures'] else 'FAIL: ' + '; '.join(doc['failures'])} |")
     return "\n".join(lines)
@@ -386,10 +493,10 @@ def run_kill(args: argparse.Namespace) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    soak = Soak(args.streams, args.seconds, args.warmup, args.tokens, args.tokens_per_s)
+    soak = Soak(args.streams, args.seconds, args.warmup, args.tokens, args.tokens_per_s, args.backend)
     stamp, port, proc, before = start_serve(args.out, "load", server_config(soak))
     try:
-        proc.wait_healthy(f"http://127.0.0.1:{port}/health", 240)
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", 240 if soak.backend == "loadtest" else 600)
         doc = loops.run(drive(f"http://127.0.0.1:{port}", soak, progress=not args.quiet), args.loop)
     finally:
         left = proc.stop()
@@ -412,7 +519,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=60.0, help="measured window")
     p.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the window (discarded)")
     p.add_argument("--tokens", type=int, default=Soak.tokens, help="tokens per request")
-    p.add_argument("--tokens-per-s", type=float, default=Soak.tokens_per_s, help="per stream")
+    p.add_argument("--tokens-per-s", type=float, default=Soak.tokens_per_s, help="per stream (load-test backend)")
+    p.add_argument("--backend", choices=["loadtest", "llama-server", "cupy"], default="loadtest",
+                   help="the load-test instrument, or a real model as `pulse serve` ships it")
     p.add_argument("--loop", choices=loops.CHOICES, default="auto")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--quiet", action="store_true")

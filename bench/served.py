@@ -101,16 +101,26 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "species"
 
 def prompts(workload: str, n: int) -> tuple[str, list[str]]:
     """(api, n distinct prompts): distinct so no request rides another's cached prefix."""
+    if workload not in WORKLOAD_API:
+        raise ValueError(f"unknown workload {workload!r}")
+    return WORKLOAD_API[workload], [prompt_at(workload, i) for i in range(n)]
+
+
+WORKLOAD_API = {"story": "completions", "code": "completions", "json": "chat"}
+
+
+def prompt_at(workload: str, i: int) -> str:
+    """The i-th prompt of a workload (prompts(workload, n)[1][i])."""
     if workload == "story":
-        return "completions", [f"Story {i}. Write a long story about {SUBJECTS[i % len(SUBJECTS)]} "
-                               f"{PLACES[i // len(SUBJECTS) % len(PLACES)]}.\n\n" for i in range(n)]
+        return (f"Story {i}. Write a long story about {SUBJECTS[i % len(SUBJECTS)]} "
+                f"{PLACES[i // len(SUBJECTS) % len(PLACES)]}.\n\n")
     if workload == "code":
         names = list(SOURCES)
-        return "completions", [edit_prompt(names[i % len(names)], SOURCES[names[i % len(names)]],
-                                           EDITS[names[i % len(names)]], f"Ticket {i}. ") for i in range(n)]
+        name = names[i % len(names)]
+        return edit_prompt(name, SOURCES[name], EDITS[name], f"Ticket {i}. ")
     if workload == "json":
-        return "chat", [f"Request {i}: describe a fictional animal living {PLACES[i % len(PLACES)]} near "
-                        f"{SUBJECTS[i % len(SUBJECTS)]}, as JSON." for i in range(n)]
+        return (f"Request {i}: describe a fictional animal living {PLACES[i % len(PLACES)]} near "
+                f"{SUBJECTS[i % len(SUBJECTS)]}, as JSON.")
     raise ValueError(f"unknown workload {workload!r}")
 
 
