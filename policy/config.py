@@ -276,6 +276,11 @@ class WorkersConfig(PulseModel):
         "instrument; empty: the device profile's default_backend (the one measured fastest there)."
     )
     count: int | None = Field(None, ge=1, description="Worker actors; empty: one per GPU (one on a CPU box).")
+    box_workers: int | None = Field(
+        None, ge=1, description="Worker actors sharing one box's CPU cores, every served model's together: on a CPU "
+        "box their llama-servers split the cores between them. Empty: on one box, every worker `pulse serve` starts; "
+        "on a cluster, `count`."
+    )
     device_profile: str | None = Field(None, description="Device profile name; empty: detected from the device.")
     restart_max: int = Field(-1, description="Ray restarts of a dead worker actor (-1: unlimited).")
     resources: dict[str, float] = Field(

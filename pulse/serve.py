@@ -55,20 +55,32 @@ def gpu_share(workers: int, gpus: float) -> float:
     return 1 / math.ceil(workers / int(gpus)) if gpus >= 1 else gpus / workers
 
 
-def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False) -> tuple[list, list[str]]:
+def model_groups(config: PulseConfig, gpus: float, one_box: bool = True) -> list[tuple[PulseConfig, int]]:
+    """Each served model's worker config and its number of workers. On one box (`pulse serve` without
+    `server.ray_address`) every worker is told how many share its cores (`workers.box_workers`, unless set): two
+    models' llama-servers on a 4-core CPU box take 2 threads each, not 4 each (on a 2-core box two threads each
+    spun against each other: 1.3-2 tokens/s a slot)."""
+    groups = [(config.for_model(m), m.workers or worker_count(config, gpus)) for m in config.models]
+    if one_box and config.server.ray_address is None:
+        for cfg, _ in groups:
+            cfg.workers.box_workers = cfg.workers.box_workers or sum(n for _, n in groups)
+    return groups
+
+
+def start_workers(config: PulseConfig, gpus: float, *, reuse: bool = False,
+                  one_box: bool = True) -> tuple[list, list[str]]:
     """One group of worker actors per served model (each worker holds one model, with its own config);
-    all of them share the box's GPUs evenly (gpu_share)."""
+    all of them share the box's GPUs evenly (gpu_share). `one_box`: they all run on this box (model_groups)."""
     import ray
 
     from workers.actor import WorkerActor
 
-    groups = [(m, m.workers or worker_count(config, gpus)) for m in config.models]
+    groups = model_groups(config, gpus, one_box)
     per_worker_gpu = gpu_share(sum(n for _, n in groups), gpus)
     bind = "127.0.0.1" if config.server.ray_address is None else "0.0.0.0"
     cls = ray.remote(WorkerActor)
     actors, names = [], []
-    for model, n in groups:
-        cfg = config.for_model(model)
+    for cfg, n in groups:
         share, engine = per_worker_gpu, cfg.workers.engine
         if share and cfg.workers.backend == "cupy" and (engine.pipeline_stages > 1 or engine.stages):
             share = 0.01  # the driver keeps embeddings + head; its stage actors reserve the GPUs (workers/pipeline)

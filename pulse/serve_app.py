@@ -27,7 +27,7 @@ class WorkerSupervisor:
     async def __init__(self, config_json: str):
         config = PulseConfig.model_validate_json(config_json)
         gpus = ray.cluster_resources().get("GPU", 0)
-        self.actors, self.names = start_workers(config, gpus, reuse=True)
+        self.actors, self.names = start_workers(config, gpus, reuse=True, one_box=False)  # Ray places them
         self.by_name = dict(zip(self.names, self.actors))
         await asyncio.gather(*(a.start.remote() for a in self.actors))
 

@@ -137,3 +137,20 @@ def test_a_models_kv_budget_becomes_its_workers_kv_setting():
     assert (b.workers.engine.kv_blocks, b.workers.llama_server.kv_tokens) == (10, 320)  # none: the workers' own
     with pytest.raises(ValidationError):
         PulseConfig.model_validate({"models": [{"name": "a", "kv_tokens": 8}]})
+
+
+def test_workers_on_one_box_split_its_cores(monkeypatch):
+    """Both bundled models on a 2-core CPU box: two llama-servers of one thread each, not two of two threads."""
+    from policy.profiles import builtin_profiles
+    from pulse.serve import model_groups
+    from workers.llama_server.lane import cpu_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cfg = PulseConfig.model_validate({"workers": {"backend": "llama-server"}})
+    groups = model_groups(cfg, 0)
+    assert [n for _, n in groups] == [1, 1] and {c.workers.box_workers for c, _ in groups} == {2}
+    cpu = builtin_profiles()["cpu"]
+    assert {cpu_threads(c.workers.llama_server, cpu, c.workers.box_workers, 1) for c, _ in groups} == {1}
+    assert {c.workers.box_workers for c, _ in model_groups(cfg, 0, one_box=False)} == {None}  # Ray places them
+    set_ = PulseConfig.model_validate({"workers": {"backend": "llama-server", "box_workers": 1}})
+    assert {c.workers.box_workers for c, _ in model_groups(set_, 0)} == {1}  # a setting wins

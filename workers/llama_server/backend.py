@@ -55,7 +55,7 @@ class LlamaServerBackend(Backend):
         self.profile, self.model, self.worker_id = profile, model, worker_id
         self.block_size = config.workers.engine.block_size  # the prefix-hash block the router uses
         self.block_sink = block_sink
-        self.workers_on_box = config.workers.count or 1
+        self.workers_on_box = config.workers.box_workers or config.workers.count or 1
         self.lanes: list[Lane] = []
         self._flights: dict[str, _Flight] = {}
         self._session: aiohttp.ClientSession | None = None
