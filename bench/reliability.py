@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from bench import loops
 from bench.faults import (
@@ -268,9 +269,12 @@ async def _progress(t0: float, end: float, measured: list, errors: Counter) -> N
 def report(soak: Soak, measured, status, errors, series, window, drain_s, to_idle, rows, pids) -> dict:
     ok = [r for r in measured if r.status == 200 and not r.error]
     memory = memory_report(series, *window)
+    for name, m in memory.items():
+        if name.endswith("/llama-server"):
+            m["prompt_cache_mib"] = prompt_cache_mib(pids[name])
     leaked = {w["worker_id"]: {"running": w["stats"]["running"], "gateway_inflight": w["inflight"]} for w in rows}
     doc = {
-        "soak": soak.__dict__, "pids": pids,
+        "soak": soak.__dict__, "pids": pids, "box_memory_mib": psutil.virtual_memory().total >> 20,
         "requests_measured": len(measured), "completed_measured": len(ok),
         "req_s": round(len(ok) / soak.seconds, 1),
         "tokens_measured": sum(r.tokens for r in ok),
@@ -284,14 +288,38 @@ def report(soak: Soak, measured, status, errors, series, window, drain_s, to_idl
     return doc
 
 
+def prompt_cache_mib(pid: int) -> int | None:
+    """The RAM prompt cache's size limit a llama-server runs with (its last --cache-ram, else llama.cpp's default
+    8,192 MiB); None for none (0) or no size limit (-1), where only the 10% rule can judge its growth."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    value = 8192
+    for flag, nxt in zip(argv, argv[1:]):
+        if flag in ("--cache-ram", "-cram"):
+            value = int(nxt)
+    return value if value > 0 else None
+
+
 def verdict(doc: dict) -> list[str]:
-    """What fails the soak (empty list: it passed)."""
+    """What fails the soak (empty list: it passed). A llama-server may grow by its RAM prompt cache's limit (a
+    bounded cache filling with distinct prompts), anything else by less than 10%."""
     out = []
     if doc["errors"]:
         out.append(f"errors other than 429: {doc['errors']}")
     for name, m in doc["memory"].items():
-        if m["growth"] is None or m["growth"] >= MAX_RSS_GROWTH:
+        cache = m.get("prompt_cache_mib")
+        if cache and m["growth"] is not None:
+            if m["rss_end_mib"] - m["rss_start_mib"] > cache + MAX_RSS_GROWTH * m["rss_start_mib"]:
+                out.append(f"{name} RSS grew {m['rss_end_mib'] - m['rss_start_mib']:.0f} MiB over the window, more "
+                           f"than its prompt cache's {cache} MiB and 10%")
+        elif m["growth"] is None or m["growth"] >= MAX_RSS_GROWTH:
             out.append(f"{name} RSS grew {m['growth']:.1%} over the window (limit {MAX_RSS_GROWTH:.0%})")
+    caches = sum(m.get("prompt_cache_mib") or 0 for m in doc["memory"].values())
+    if caches > doc["box_memory_mib"] / 2:
+        out.append(f"the llama-servers' prompt caches may take {caches} MiB together, over half of the box's "
+                   f"{doc['box_memory_mib']} MiB")
     if doc["seconds_until_no_slot_held"] is None:
         out.append(f"slots or streams still held after the run: {doc['after']}")
     if not doc["completed_measured"]:
@@ -312,8 +340,9 @@ def markdown(doc: dict) -> str:
              f"| status counts (whole run) | {doc['status_counts']} |",
              f"| errors other than 429 | {doc['errors'] or 0} |"]
     for name, m in doc["memory"].items():
+        cache = f"; prompt cache limit {m['prompt_cache_mib']} MiB" if m.get("prompt_cache_mib") else ""
         lines.append(f"| RSS {name} start -> end (peak) | {m['rss_start_mib']} -> {m['rss_end_mib']} MiB "
-                     f"({m['rss_peak_mib']}), {m['growth']:+.1%} |")
+                     f"({m['rss_peak_mib']}), {m['growth']:+.1%}{cache} |")
     if "gateway_views" in doc:
         lines.append(f"| samples of the gateway's view with a worker not routable | "
                      f"{sum(doc['not_routable_samples'].values())} of {doc['gateway_views']} |")

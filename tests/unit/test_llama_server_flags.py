@@ -5,7 +5,7 @@ from pathlib import Path
 
 from policy.profiles import builtin_profiles
 from workers.llama_server.flags import adapt, group_args, server_argv, spelling
-from workers.llama_server.lane import Lane, choose_lane
+from workers.llama_server.lane import Lane, cache_ram_mib, choose_lane
 
 NEW = frozenset({"-m", "--host", "--port", "-np", "-c", "--kv-unified", "--slots", "--no-ui", "-t", "-fa",
                  "--flash-attn", "--metrics", "--cache-ram", "-ub", "--spec-draft-model", "-md",
@@ -39,6 +39,19 @@ def test_server_argv_new_and_old_binaries():
     assert "--spec-draft-model /d.gguf --spec-draft-n-max 3" in " ".join(new)
     old = server_argv(Path("/bin/ls"), OLD, **kw)
     assert "--model-draft /d.gguf --draft-max 3" in " ".join(old) and "--kv-unified" not in old
+
+
+def test_cache_ram_from_the_box_unless_the_profile_or_operator_sets_it():
+    kw = dict(model="/m.gguf", port=1, slots=4, kv_tokens=8192, cache_ram_mib=1497)
+    assert "--cache-ram 1497 -fa on" in " ".join(server_argv(Path("/bin/ls"), NEW, profile_args=["-fa", "on"], **kw))
+    for profile_args, extra in ((["-cram", "0"], []), (["--cache-ram", "-1"], []), ([], ["--cache-ram", "64"])):
+        argv = server_argv(Path("/bin/ls"), NEW, profile_args=profile_args, extra_args=extra, **kw)
+        assert "1497" not in argv and argv.count("--cache-ram") == 1  # theirs, once
+    gib = 1 << 30
+    assert cache_ram_mib(2, 1, total_bytes=24 * gib) == 1536  # the 2-core box, two models: 1.5 GiB each
+    assert cache_ram_mib(1, 1, total_bytes=8 * gib) == 1024
+    assert cache_ram_mib(1, 1, total_bytes=512 * gib) == 8192  # never above llama.cpp's own default
+    assert cache_ram_mib(64, 2, total_bytes=gib) == 1  # never 0 (that turns the cache off)
 
 
 def test_lane_choice_follows_the_speculation_policy(tmp_path):

@@ -69,6 +69,12 @@ def group_args(args: list[str]) -> list[tuple[str, list[str]]]:
     return groups
 
 
+def sets(args: list[str], flag: str) -> bool:
+    """Whether `args` give `flag`'s setting, in any of its spellings."""
+    group = next((g for g in ALIASES if flag in g), (flag,))
+    return any(f in group for f, _ in group_args(args))
+
+
 def adapt(args: list[str], supported: frozenset[str]) -> list[str]:
     """`args` respelled for this binary; flags it does not know at all are dropped (with a warning)."""
     out: list[str] = []
@@ -96,8 +102,10 @@ def server_argv(
     spec_type: str | None = None,
     extra_args: list[str] = (),
     slot_save_path: str | None = None,
+    cache_ram_mib: int | None = None,
 ) -> list[str]:
-    """The full llama-server command line. Later flags win in llama.cpp's parser, so extra_args go last."""
+    """The full llama-server command line. Later flags win in llama.cpp's parser, so extra_args go last.
+    `cache_ram_mib`: --cache-ram, where neither the profile's args nor extra_args set it."""
     args = ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(kv_tokens)]
     # One KV pool shared by all slots: a long request may use what idle slots do not (else -c is split
     # evenly and each slot is capped at kv_tokens / slots).
@@ -108,6 +116,8 @@ def server_argv(
     args += ["--slots", "--no-ui"]
     if threads:
         args += ["-t", str(threads)]
+    if cache_ram_mib is not None and not sets(list(profile_args) + list(extra_args), "--cache-ram"):
+        args += ["--cache-ram", str(cache_ram_mib)]
     args += profile_args
     if slot_save_path:
         # Slot checkpoints. --swa-full: with a sliding-window model (Gemma 3) a restored slot otherwise

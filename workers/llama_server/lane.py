@@ -10,6 +10,8 @@ import logging
 import os
 from pathlib import Path
 
+import psutil
+
 from cache.hashing import ROOT_HASH
 from policy.profiles import DeviceProfile
 from policy.speculation import SCHEMA, TEXT, choose_k
@@ -51,6 +53,20 @@ def cpu_threads(cfg, profile: DeviceProfile, workers_on_box: int, lanes: int) ->
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_box * lanes))
 
 
+PROMPT_CACHE_SHARE = 8  # of the box's memory, for its llama-servers' RAM prompt caches together
+LLAMA_CACHE_RAM_MIB = 8192  # llama.cpp's own --cache-ram default
+
+
+def cache_ram_mib(workers_on_box: int, lanes: int, total_bytes: int | None = None) -> int:
+    """--cache-ram for a profile that leaves it unset: an eighth of the box's memory split among the llama-servers
+    on it, at most llama.cpp's default. llama-server keeps the state of every prompt whose slot it reuses in that
+    RAM cache up to its limit, and the default lets each server take 8 GiB: more than a small box has for the two
+    servers of `pulse serve`'s two bundled models (on the 2-core box they grew by 0.1 and 0.6 GiB in 10 minutes of
+    distinct prompts, and would have gone on; RELIABILITY.md, the real-backend soak)."""
+    total = total_bytes or psutil.virtual_memory().total
+    return max(1, min(LLAMA_CACHE_RAM_MIB, (total // PROMPT_CACHE_SHARE // max(1, workers_on_box * lanes)) >> 20))
+
+
 def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, block_size: int,
                 log_dir: Path, worker_id: str, sink, workers_on_box: int = 1,
                 checkpoint_dir: Path | None = None, root: int = ROOT_HASH) -> list[Lane]:
@@ -65,6 +81,7 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
     k = profile.max_draft_tokens if cfg.draft_max is None else cfg.draft_max
     two = bool(cfg.draft_model) and k > 0 and cfg.plain_process
     threads = cpu_threads(cfg, profile, workers_on_box, 2 if two else 1)
+    cache_mib = cache_ram_mib(workers_on_box, 2 if two else 1)
 
     def argv(draft: bool):
         def argv_for(port: int) -> list[str]:
@@ -73,7 +90,8 @@ def build_lanes(cfg, profile: DeviceProfile, model_path: str, binary: Path, bloc
                 profile_args=profile.llama_server_args if cfg.profile_args is None else cfg.profile_args,
                 threads=threads,
                 draft_model=cfg.draft_model if draft else None, draft_max=k, spec_type=cfg.spec_type,
-                extra_args=cfg.extra_args, slot_save_path=None if draft or not checkpoint_dir else str(checkpoint_dir))
+                extra_args=cfg.extra_args, slot_save_path=None if draft or not checkpoint_dir else str(checkpoint_dir),
+                cache_ram_mib=cache_mib)
         return argv_for
 
     def lane(name: str, draft: bool) -> Lane:
