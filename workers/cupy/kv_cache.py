@@ -57,7 +57,14 @@ class KVStorage:
 
         def pool(n, blocks):  # zeros, not empty: padded attention reads of unused slots must not see NaN garbage
             shape = (n, blocks + extra, block_size, n_kv_heads, head_dim)
-            return xp.zeros(shape, dtype), xp.zeros(shape, dtype)
+            k, v = xp.zeros(shape, dtype), xp.zeros(shape, dtype)
+            if isinstance(k, np.ndarray):
+                # NumPy's zeros maps pages lazily: the pool would be claimed block by block under load, the worker's
+                # RSS growing for minutes (RELIABILITY.md, the real-model soak) and a box too small for it found
+                # mid-run by the OOM killer rather than here. Writing it claims it now, as a GPU allocation does.
+                k.fill(0)
+                v.fill(0)
+            return k, v
 
         self.global_k, self.global_v = pool(n_global, num_blocks)
         self.local_k, self.local_v = pool(n_layers - n_global, self.num_local)
