@@ -151,6 +151,8 @@ def test_workers_on_one_box_split_its_cores(monkeypatch):
     assert [n for _, n in groups] == [1, 1] and {c.workers.box_workers for c, _ in groups} == {2}
     cpu = builtin_profiles()["cpu"]
     assert {cpu_threads(c.workers.llama_server, cpu, c.workers.box_workers, 1) for c, _ in groups} == {1}
+    from workers.llama_server.backend import LlamaServerBackend
+    assert {LlamaServerBackend(c, cpu, None).workers_on_box for c, _ in groups} == {2}  # what the worker reads
     assert {c.workers.box_workers for c, _ in model_groups(cfg, 0, one_box=False)} == {None}  # Ray places them
     set_ = PulseConfig.model_validate({"workers": {"backend": "llama-server", "box_workers": 1}})
     assert {c.workers.box_workers for c, _ in model_groups(set_, 0)} == {1}  # a setting wins
