@@ -192,6 +192,53 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
     return seen
 
 
+MESSAGES = "/v1/messages"
+
+
+async def stream_messages(session: aiohttp.ClientSession, base: str, body: dict, *,
+                          timeout_s: float = 60.0) -> StreamSeen:
+    """Stream one Anthropic message (POST /v1/messages) into a StreamSeen: `message_stop` is its [DONE],
+    `message_delta`'s stop_reason its finish reason and output_tokens its usage's completion_tokens, an `error`
+    event an error event."""
+    seen = StreamSeen()
+    t0 = time.monotonic()
+    try:
+        async with session.post(base + MESSAGES, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            seen.status, seen.worker = r.status, r.headers.get("x-pulse-worker")
+            seen.retry_after = r.headers.get("Retry-After")
+            if r.status != 200:
+                raw = await r.read()
+                try:
+                    seen.error_events.append(json.loads(raw))
+                except ValueError:
+                    seen.error_events.append({"raw": raw[:200].decode(errors="replace")})
+            else:
+                async for line in r.content:
+                    seen.body_bytes += len(line)
+                    if not line.startswith(b"data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    kind = event.get("type")
+                    if kind == "error":
+                        seen.error_events.append(event)
+                    elif kind == "content_block_delta":
+                        seen.content_events += 1
+                        seen.text += (event.get("delta") or {}).get("text") or ""
+                        if seen.first is None and seen.text:
+                            seen.first = time.monotonic() - t0
+                    elif kind == "message_delta":
+                        seen.finish_reason = (event.get("delta") or {}).get("stop_reason") or seen.finish_reason
+                        seen.usage = {"completion_tokens": (event.get("usage") or {}).get("output_tokens", 0)}
+                    elif kind == "message_stop":
+                        seen.done = True
+                seen.closed = True
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        seen.exception = type(e).__name__
+    seen.ended = time.monotonic()
+    seen.seconds = seen.ended - t0
+    return seen
+
+
 def _take(seen: StreamSeen, event: dict) -> None:
     for choice in event.get("choices") or ():
         seen.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""  # chat or completions

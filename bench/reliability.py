@@ -13,8 +13,8 @@ RSS growth over the measured window (after the warm-up) is under 10% for every p
 
 With `--backend llama-server` or `cupy` it soaks a real model instead, as `pulse serve` ships (no settings but the
 backend: both bundled models, the box's device profile): each client's requests rotate over a chat question, a
-story completion, a code edit and a JSON-schema chat, every prompt distinct, with the sampling settings OpenAI's
-clients send (none: temperature 1), each request checked whole (200, a finish reason, `[DONE]`, no error event);
+story completion, a code edit, a JSON-schema chat and an Anthropic message, every prompt distinct, with the sampling
+settings the SDKs send (none: temperature 1), each request checked whole (200, a finish reason, `[DONE]`, no error event);
 a client refused with 429 waits its Retry-After (at most 10 s) as the SDKs do. It also samples the RSS of each
 worker's llama-server and the gateway's view of every worker once a second, and fails on any sample that had a
 worker not routable (a busy worker marked unhealthy).
@@ -40,6 +40,7 @@ import psutil
 from bench import loops
 from bench.faults import (
     CHAT,
+    MESSAGES,
     MODEL,
     both_serving,
     child_pids,
@@ -49,6 +50,7 @@ from bench.faults import (
     rss_bytes,
     settled_idle,
     stream_chat,
+    stream_messages,
     wait_until,
     workers,
 )
@@ -75,14 +77,19 @@ class Soak:
 
 REAL_TIMEOUT_S = 180.0  # a real request's bound, queueing included: beyond it the soak counts a hang
 RETRY_AFTER_MAX_S = 10.0
-REAL_KINDS = ("chat", "story", "code", "json")
+REAL_KINDS = ("chat", "story", "code", "json", "messages")
 CHAT_MODEL, BASE_MODEL = "smollm2-135m-instruct", "gemma-3-270m"  # the bundled models `pulse serve` serves
 
 
 def real_request(i: int, tokens: int) -> tuple[str, dict]:
-    """(path, body) of a real soak's i-th request: a chat question, a story, a code edit or a JSON-schema chat in
-    turn, every prompt distinct, stories on both bundled models; no sampling settings (OpenAI's default)."""
+    """(path, body) of a real soak's i-th request: a chat question, a story, a code edit, a JSON-schema chat or an
+    Anthropic message in turn, every prompt distinct, stories on both bundled models; no sampling settings (the
+    SDKs' defaults: temperature 1)."""
     kind, n = REAL_KINDS[i % len(REAL_KINDS)], i // len(REAL_KINDS)
+    if kind == "messages":  # an agent on Anthropic's API (max_tokens is required there)
+        text = f"Task {n}: list three things to check before renaming a function used by {SUBJECTS[n % len(SUBJECTS)]}."
+        return MESSAGES, {"model": CHAT_MODEL, "max_tokens": tokens, "stream": True,
+                          "messages": [{"role": "user", "content": text}]}
     common = {"max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
     if kind == "chat":
         text = f"Question {n}: what would {SUBJECTS[n % len(SUBJECTS)]} find hardest about city life?"
@@ -99,7 +106,10 @@ async def real_one(session: aiohttp.ClientSession, base: str, i: int, tokens: in
     """One real soak request as a RequestResult (an accepted request that did not end whole is an error), and
     how long its client waits before the next (a 429's Retry-After)."""
     path, body = real_request(i, tokens)
-    seen = await stream_chat(session, base, body, timeout_s=REAL_TIMEOUT_S, path=path)
+    if path == MESSAGES:
+        seen = await stream_messages(session, base, body, timeout_s=REAL_TIMEOUT_S)
+    else:
+        seen = await stream_chat(session, base, body, timeout_s=REAL_TIMEOUT_S, path=path)
     r = RequestResult(status=seen.status, ttft=seen.first, total=seen.seconds,
                       tokens=(seen.usage or {}).get("completion_tokens", 0))
     if seen.exception:
@@ -330,7 +340,8 @@ def verdict(doc: dict) -> list[str]:
 def markdown(doc: dict) -> str:
     s = doc["soak"]
     pace = (f"at {s['tokens_per_s']} tokens/s/stream" if s["backend"] == "loadtest" else
-            f"at most ({s['backend']}, chat / story / code edit / JSON schema in turn, OpenAI's default sampling)")
+            f"at most ({s['backend']}, chat / story / code edit / JSON schema / Anthropic message in turn, the SDKs' "
+            f"default sampling)")
     lines = [f"{s['streams']} streams x {s['seconds']:.0f} s (warm-up {s['warmup_s']:.0f} s discarded), "
              f"{s['tokens']} tokens/request {pace}",
              "", "| figure | value |", "| --- | --- |",

@@ -58,8 +58,8 @@ def gpu_share(workers: int, gpus: float) -> float:
 def model_groups(config: PulseConfig, gpus: float, one_box: bool = True) -> list[tuple[PulseConfig, int]]:
     """Each served model's worker config and its number of workers. On one box (`pulse serve` without
     `server.ray_address`) every worker is told how many share its cores (`workers.box_workers`, unless set): two
-    models' llama-servers on a 4-core CPU box take 2 threads each, not 4 each (on a 2-core box two threads each
-    spun against each other: 1.3-2 tokens/s a slot)."""
+    models' llama-servers on a 4-core CPU box take 2 threads each, not 4 each (on a 2-core box, two threads each
+    spun against each other: Gemma's decoded at 122-495 ms a token against ~28 ms with one; BENCHMARKS.md)."""
     groups = [(config.for_model(m), m.workers or worker_count(config, gpus)) for m in config.models]
     if one_box and config.server.ray_address is None:
         for cfg, _ in groups:

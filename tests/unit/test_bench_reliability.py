@@ -11,11 +11,12 @@ def test_real_requests_rotate_kinds_models_and_send_no_sampling_settings():
     prompts = [json.dumps(b.get("messages") or b.get("prompt")) for _, b in reqs]
     assert len(set(prompts)) == len(prompts)  # no request rides another's cached prompt whole
     assert {b["model"] for _, b in reqs} == {BASE_MODEL, CHAT_MODEL}
-    assert {p for p, _ in reqs} == {"/v1/chat/completions", "/v1/completions"}
+    assert {p for p, _ in reqs} == {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
     assert sum("response_format" in b for _, b in reqs) == 400 // len(REAL_KINDS)  # the JSON-schema chats
-    for _, b in reqs:
-        assert b["stream"] and b["max_tokens"] == 32 and b["stream_options"] == {"include_usage": True}
-        assert not {"temperature", "top_k", "top_p", "seed", "ignore_eos"} & set(b)  # OpenAI's defaults
+    for path, b in reqs:
+        assert b["stream"] and b["max_tokens"] == 32
+        assert path == "/v1/messages" or b["stream_options"] == {"include_usage": True}  # OpenAI's usage chunk
+        assert not {"temperature", "top_k", "top_p", "seed", "ignore_eos"} & set(b)  # the SDKs' defaults
 
 
 def test_real_soak_serves_as_shipped():
