@@ -149,14 +149,13 @@ class StreamSeen:
         return self.status == 200 and self.done and self.finish_reason is not None and not self.error_events
 
 
-async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, on_event=None,
-                      timeout_s: float = 60.0, path: str = CHAT) -> StreamSeen:
-    """Stream one chat completion (or, with `path` /v1/completions, a completion) and record every kind of event;
-    `on_event(seen)` runs after each one."""
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float, on_data) -> StreamSeen:
+    """POST `body` and read its SSE answer into a StreamSeen: a refusal's body as an error event, and each
+    `data: ` payload given to `await on_data(seen, payload, t0)`."""
     seen = StreamSeen()
     t0 = time.monotonic()
     try:
-        async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             seen.status, seen.worker = r.status, r.headers.get("x-pulse-worker")
             seen.retry_after = r.headers.get("Retry-After")
             if r.status != 200:
@@ -168,28 +167,40 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
             else:
                 async for line in r.content:
                     seen.body_bytes += len(line)
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        seen.done = True
-                        continue
-                    event = json.loads(payload)
-                    if "error" in event:
-                        seen.error_events.append(event)
-                    else:
-                        seen.content_events += 1
-                        _take(seen, event)
-                        if seen.first is None and seen.text:
-                            seen.first = time.monotonic() - t0
-                    if on_event is not None:
-                        await on_event(seen)
+                    if line.startswith(b"data: "):
+                        await on_data(seen, line[6:].strip(), t0)
                 seen.closed = True
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         seen.exception = type(e).__name__
     seen.ended = time.monotonic()
     seen.seconds = seen.ended - t0
     return seen
+
+
+def _first_text(seen: StreamSeen, t0: float) -> None:
+    if seen.first is None and seen.text:
+        seen.first = time.monotonic() - t0
+
+
+async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, on_event=None,
+                      timeout_s: float = 60.0, path: str = CHAT) -> StreamSeen:
+    """Stream one chat completion (or, with `path` /v1/completions, a completion) and record every kind of event;
+    `on_event(seen)` runs after each one."""
+    async def on_data(seen: StreamSeen, payload: bytes, t0: float) -> None:
+        if payload == b"[DONE]":
+            seen.done = True
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            seen.error_events.append(event)
+        else:
+            seen.content_events += 1
+            _take(seen, event)
+            _first_text(seen, t0)
+        if on_event is not None:
+            await on_event(seen)
+
+    return await _stream(session, base + path, body, timeout_s, on_data)
 
 
 MESSAGES = "/v1/messages"
@@ -200,43 +211,22 @@ async def stream_messages(session: aiohttp.ClientSession, base: str, body: dict,
     """Stream one Anthropic message (POST /v1/messages) into a StreamSeen: `message_stop` is its [DONE],
     `message_delta`'s stop_reason its finish reason and output_tokens its usage's completion_tokens, an `error`
     event an error event."""
-    seen = StreamSeen()
-    t0 = time.monotonic()
-    try:
-        async with session.post(base + MESSAGES, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            seen.status, seen.worker = r.status, r.headers.get("x-pulse-worker")
-            seen.retry_after = r.headers.get("Retry-After")
-            if r.status != 200:
-                raw = await r.read()
-                try:
-                    seen.error_events.append(json.loads(raw))
-                except ValueError:
-                    seen.error_events.append({"raw": raw[:200].decode(errors="replace")})
-            else:
-                async for line in r.content:
-                    seen.body_bytes += len(line)
-                    if not line.startswith(b"data: "):
-                        continue
-                    event = json.loads(line[6:])
-                    kind = event.get("type")
-                    if kind == "error":
-                        seen.error_events.append(event)
-                    elif kind == "content_block_delta":
-                        seen.content_events += 1
-                        seen.text += (event.get("delta") or {}).get("text") or ""
-                        if seen.first is None and seen.text:
-                            seen.first = time.monotonic() - t0
-                    elif kind == "message_delta":
-                        seen.finish_reason = (event.get("delta") or {}).get("stop_reason") or seen.finish_reason
-                        seen.usage = {"completion_tokens": (event.get("usage") or {}).get("output_tokens", 0)}
-                    elif kind == "message_stop":
-                        seen.done = True
-                seen.closed = True
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        seen.exception = type(e).__name__
-    seen.ended = time.monotonic()
-    seen.seconds = seen.ended - t0
-    return seen
+    async def on_data(seen: StreamSeen, payload: bytes, t0: float) -> None:
+        event = json.loads(payload)
+        kind = event.get("type")
+        if kind == "error":
+            seen.error_events.append(event)
+        elif kind == "content_block_delta":
+            seen.content_events += 1
+            seen.text += (event.get("delta") or {}).get("text") or ""
+            _first_text(seen, t0)
+        elif kind == "message_delta":
+            seen.finish_reason = (event.get("delta") or {}).get("stop_reason") or seen.finish_reason
+            seen.usage = {"completion_tokens": (event.get("usage") or {}).get("output_tokens", 0)}
+        elif kind == "message_stop":
+            seen.done = True
+
+    return await _stream(session, base + MESSAGES, body, timeout_s, on_data)
 
 
 def _take(seen: StreamSeen, event: dict) -> None:
