@@ -14,8 +14,8 @@ RSS growth over the measured window (after the warm-up) is under 10% for every p
 With `--backend llama-server` or `cupy` it soaks a real model instead, as `pulse serve` ships (no settings but the
 backend: both bundled models, the box's device profile): each client's requests rotate over a chat question, a
 story completion, a code edit, a JSON-schema chat and an Anthropic message, every prompt distinct, with the sampling
-settings the SDKs send (none: temperature 1), each request checked whole (200, a finish reason, `[DONE]`, no error event);
-a client refused with 429 waits its Retry-After (at most 10 s) as the SDKs do. It also samples the RSS of each
+settings the SDKs send (none: temperature 1), each request checked whole (200, a finish reason, `[DONE]`, no error
+event); a client refused with 429 waits its Retry-After (at most 10 s) as the SDKs do. It also samples the RSS of each
 worker's llama-server and the gateway's view of every worker once a second, and fails on any sample that had a
 worker not routable (a busy worker marked unhealthy).
 Writes bench/results/reliability-load-<time>.json and prints a Markdown summary.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -60,6 +61,8 @@ from bench.machine import machine_info
 from bench.procs import Proc, python_module
 from bench.protocol import command_line
 from bench.served import SCHEMA, SUBJECTS, prompt_at
+from workers.llama_server.flags import setting
+from workers.llama_server.lane import LLAMA_CACHE_RAM_MIB
 
 OUT = Path(__file__).resolve().parent / "results"
 MAX_RSS_GROWTH = 0.10
@@ -218,7 +221,7 @@ async def drive(base: str, soak: Soak, progress: bool = False) -> dict:
     series: dict[str, list[tuple[float, int]]] = {}
     not_routable: Counter = Counter()  # samples of the gateway's view in which a worker was not routable
     views = [0]
-    numbered = iter(range(1 << 62))
+    numbered = itertools.count()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         pids = await server_pids(session, base)
         if real:
@@ -305,10 +308,8 @@ def prompt_cache_mib(pid: int) -> int | None:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return None
-    value = 8192
-    for flag, nxt in zip(argv, argv[1:]):
-        if flag in ("--cache-ram", "-cram"):
-            value = int(nxt)
+    given = setting([a for a in argv[1:] if a], "--cache-ram")
+    value = int(given[0]) if given else LLAMA_CACHE_RAM_MIB
     return value if value > 0 else None
 
 

@@ -69,10 +69,17 @@ def group_args(args: list[str]) -> list[tuple[str, list[str]]]:
     return groups
 
 
+def setting(args: list[str], flag: str) -> list[str] | None:
+    """The values `args` give `flag`'s setting, in any of its spellings (the last occurrence wins, as in
+    llama.cpp's parser); None when they do not set it."""
+    group = next((g for g in ALIASES if flag in g), (flag,))
+    found = [values for f, values in group_args(args) if f in group]
+    return found[-1] if found else None
+
+
 def sets(args: list[str], flag: str) -> bool:
     """Whether `args` give `flag`'s setting, in any of its spellings."""
-    group = next((g for g in ALIASES if flag in g), (flag,))
-    return any(f in group for f, _ in group_args(args))
+    return setting(args, flag) is not None
 
 
 def adapt(args: list[str], supported: frozenset[str]) -> list[str]:

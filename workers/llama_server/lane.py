@@ -61,7 +61,7 @@ def cache_ram_mib(workers_on_box: int, lanes: int, total_bytes: int | None = Non
     """--cache-ram for a profile that leaves it unset: an eighth of the box's memory split among the llama-servers
     on it, at most llama.cpp's default. llama-server keeps the state of every prompt whose slot it reuses in that
     RAM cache up to its limit, and the default lets each server take 8 GiB: more than a small box has for the two
-    servers of `pulse serve`'s two bundled models (on the 2-core box they grew by 0.1 and 0.6 GiB in 10 minutes of
+    servers of `pulse serve`'s two bundled models (on the 2-core box they grew by 0.1 and 0.6 GiB in 11 minutes of
     distinct prompts, and would have gone on; RELIABILITY.md, the real-backend soak)."""
     total = total_bytes or psutil.virtual_memory().total
     return max(1, min(LLAMA_CACHE_RAM_MIB, (total // PROMPT_CACHE_SHARE // max(1, workers_on_box * lanes)) >> 20))
