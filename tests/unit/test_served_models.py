@@ -65,6 +65,18 @@ def test_profiles_name_their_default_backend():
     assert {p.default_backend for name, p in profiles.items() if p.kind == "cuda"} == {"cupy"}
 
 
+@pytest.mark.parametrize("gpu, name, batch, queue", [
+    ("NVIDIA H100 80GB HBM3", "h100", 256, 128), ("NVIDIA H100 NVL", "h100", 256, 128),
+    ("NVIDIA H200", "h200", 256, 128), ("NVIDIA GeForce RTX 4090", "cuda", 64, 64)])
+def test_a_gpu_gets_its_profiles_batch_and_engine_queue(gpu, name, batch, queue):
+    """An H100 is no longer served at the generic cuda profile's batch of 64 (half the tok/s past 64 clients,
+    BENCHMARKS.md, issue 25); a card without a profile of its own keeps it."""
+    from policy.profiles import select_profile
+
+    p = select_profile(gpu, builtin_profiles())
+    assert (p.name, p.max_num_seqs, p.worker_queue) == (name, batch, queue)
+
+
 def test_catalog_finds_models_by_name_or_alias_and_404_lists_what_is_served():
     catalog = ModelCatalog.build(PulseConfig())
     gemma, smol = catalog.models
