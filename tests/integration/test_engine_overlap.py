@@ -232,6 +232,36 @@ def test_the_step_thread_times_its_steps_and_the_waits_for_their_tokens():
         assert inside + snap["token_wait_seconds"] <= snap["step_seconds"]
 
 
+def test_a_verify_steps_wait_for_its_ids_is_counted_as_waiting_not_as_speculation(monkeypatch):
+    """A speculative step's wait for the sampler's ids (on a GPU: the device) goes to token_wait_seconds as a plain
+    step's does, and out of the `speculate` phase (before, bench/served.py's per-run line read a device-bound
+    speculative step as host work). Each choose here takes a known 4 ms more."""
+    import time
+
+    monkeypatch.setattr(speculative, "MISS_WAIT_MAX", 0)
+    drafting = DeviceProfile(name="k4", max_draft_tokens=4, draft_token_cost=0.0,
+                             speculation=[SpeculationRule(max_context=10**9, k=4)])
+    eng = make_engine()
+    eng.speculator = spec = Speculator(drafting)
+    real_choose, real_verify, calls = eng.choose, spec.verify, {"choose": 0, "verify": 0}
+
+    def choose(*a, **kw):
+        calls["choose"] += 1
+        time.sleep(0.004)
+        return real_choose(*a, **kw)
+
+    def verify(*a, **kw):
+        calls["verify"] += 1
+        return real_verify(*a, **kw)
+    eng.choose, spec.verify = choose, verify
+    drive(eng, requests(SamplingParams(temperature=0.0), (60, 45)))
+    assert calls["verify"] > 3, "nothing drafted"
+    assert eng.token_wait_seconds >= 0.004 * calls["choose"]
+    parts = eng.phase_seconds
+    inside = sum(parts[k] for k in ("schedule", "build", "forward", "append", "commit", "speculate"))
+    assert inside + eng.token_wait_seconds <= eng.step_seconds
+
+
 def test_the_loop_times_its_hand_overs_between_steps():
     """EngineLoop adds the time it spends handing outputs over to the engine's phase_seconds["handover"]."""
     import threading

@@ -44,8 +44,9 @@ class StepOutput(msgspec.Struct, array_like=True):
 
 # Engine.phase_seconds' parts of a step: scheduling (both schedule() calls), building a step's inputs (batch, sample
 # rows, the sampler's staging), launching its forward (the model's host side), appending the read tokens, committing
-# full blocks, a speculative step whole (propose and verify); then EngineLoop's, between steps: handing outputs over
-# and applying queued adds and aborts. The wait for a step's tokens is token_wait_seconds.
+# full blocks, a speculative step whole (propose and verify) less its wait for the ids; then EngineLoop's, between
+# steps: handing outputs over and applying queued adds and aborts. The wait for a step's tokens (a verify step's too)
+# is token_wait_seconds.
 PHASES = ("schedule", "build", "forward", "append", "commit", "speculate", "handover", "inbox")
 
 
@@ -179,8 +180,10 @@ class Engine:
                 return []
             drafts = self.speculator.propose(self, scheduled) if self.speculator is not None else None
             if drafts:  # some sequence has draft tokens: verify them all in this one forward (speculative.py)
+                waited = self.token_wait_seconds
                 outputs, prefilled = self.speculator.verify(self, scheduled, drafts)
-                ph["speculate"] += time.perf_counter() - now
+                # its wait for the step's ids is counted as a plain step's is (token_wait_seconds), not as work
+                ph["speculate"] += time.perf_counter() - now - (self.token_wait_seconds - waited)
                 return self._stepped(outputs, prefilled, t0)
             ph["speculate"] += time.perf_counter() - now  # proposing none
             cur = self._launch(scheduled)
