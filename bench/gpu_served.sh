@@ -49,6 +49,11 @@
 #   TARGETS="pulse pulse-base" SERVED_ARGS="--clients 256 1000 --sampling greedy t1 --per-client 4 --repeats 2
 #     --warmup 1 --duration 30 --timeout 90 --profile-batch --client-procs 4" BENCH_TIMEOUT_S=480
 #     bash bench/gpu_served.sh story
+# A profile against the one the machine got before (issue 25 on an H100: the h100 profile of c381a30 against the cuda
+# profile that 8864879 picks there), each server picking its own (PROFILE set and empty; engine alone not comparable):
+#   BASE=8864879 bash bench/gpu_clean_copy.sh; then PROFILE= TARGETS="pulse pulse-base" SERVED_ARGS="--clients 64 128
+#     256 1000 --sampling greedy t1 --per-client 4 --repeats 2 --warmup 1 --duration 40 --timeout 90 --profile-batch
+#     --client-procs 4" BENCH_TIMEOUT_S=560 bash bench/gpu_served.sh story
 set -u
 workload=${1:-story}
 source "$(dirname "$0")/gpu_env.sh"
@@ -59,8 +64,11 @@ if [[ $targets == *llama* ]] && ! llama_built; then
   echo "no llama-server build: Pulse only"; targets=${targets/llama/}
 fi
 # SIGINT at the limit: bench/served.py stops its servers and still summarizes the runs that ended (SIGKILL 40 s later)
+# PROFILE set but empty: no --profile, each `pulse serve` picks its own (pulse-base's tree may lack the newer profile)
+profile_args=(--profile "${PROFILE:-h200}")
+[[ -v PROFILE && -z $PROFILE ]] && profile_args=()
 timeout --signal=INT -k 40 "${BENCH_TIMEOUT_S:-540}" python3 -m bench.served --model "$model" --llama-server /root/lb/build/bin/llama-server \
-  --device cuda --profile "${PROFILE:-h200}" --targets $targets --workloads "$workload" --out "$res" --quiet \
+  --device cuda "${profile_args[@]}" --targets $targets --workloads "$workload" --out "$res" --quiet \
   ${SERVED_ARGS:---clients 1 8 32 64 --tokens 128 --per-client 1 --repeats 3 --warmup 1 --duration 15 --timeout 60} \
   2>&1 | tail -40
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
