@@ -6,8 +6,9 @@
 
 Why: the gateway asks Redis on every request. When Redis is down, slow or restarting, a request must
 not wait on it: after one failure, calls raise `error_cls` at once for `retry_interval_s`, then one
-call tries again. The first success after a failure calls `on_recovered` (sync, or async: then run as
-a task), which is where the index asks workers to republish (refill) what Redis missed.
+call tries again while the others still fail fast. The first success after a failure calls `on_recovered`
+(sync, or async: then run as a task), which is where the index asks workers to republish (refill) what
+Redis missed.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class RedisGuard:
         self._clock = clock
         self._down_until = 0.0
         self._failed = False
+        self._probing = False  # after a failure, the one call trying Redis again is in flight
         self.failures = 0  # calls that failed (for metrics)
         self.recoveries = 0
         self._tasks: set[asyncio.Task] = set()
@@ -94,12 +96,21 @@ class RedisGuard:
             raise self.error_cls(
                 f"redis unavailable ({what}): a call failed within the last {self.retry_interval_s:g} s"
             )
+        # After a failure one call tries Redis again; the others fail fast until it answers. Without this every
+        # call arriving while that try waits out its timeout waited too: a frozen Redis held each of 16 clients'
+        # key checks its 1 s (ANSWER_TIMEOUT_S) once a retry interval (the reliability test's p99 1,070 ms)
+        if self._failed and self._probing:
+            raise self.error_cls(f"redis unavailable ({what}): another call is trying it after a failure")
+        probe = self._probing = self._failed
         try:
             async with asyncio.timeout(timeout_s or self.timeout_s):
                 result = await call()
         except _FAILURES as e:
             self._trip(what, e)
             raise self.error_cls(f"redis {what} failed: {type(e).__name__}") from e
+        finally:
+            if probe:
+                self._probing = False
         lost = lost_state is not None and lost_state(result)
         if self._failed or lost:
             self._recovered()

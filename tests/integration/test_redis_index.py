@@ -246,6 +246,36 @@ async def test_redis_paused_times_out_at_the_configured_timeout(redis_server):
         await index.close()
 
 
+async def test_after_a_failure_one_call_tries_redis_and_the_others_fail_fast(redis_server):
+    """Past the open circuit one call (the probe) waits on a frozen Redis; calls arriving meanwhile fail at once
+    rather than each waiting out the timeout too (RELIABILITY.md: a frozen Redis had held every client's key check
+    for its 1 s once a retry interval), and once a probe finds Redis answering again every call goes through."""
+    index = RedisPrefixIndex(make_client(redis_server.url, 0.4), namespace="t:", timeout_s=0.4, retry_interval_s=0.2)
+    try:
+        await index.connect()
+        await index.publish("w", H)
+        redis_server.pause()
+        with pytest.raises(IndexUnavailable):
+            await index.longest_prefix(H)  # trips the circuit
+        await asyncio.sleep(0.25)  # past the retry interval
+        probe = asyncio.ensure_future(index.longest_prefix(H))
+        await asyncio.sleep(0.05)  # the probe is waiting on the frozen Redis
+        t0 = time.perf_counter()
+        for _ in range(5):
+            with pytest.raises(IndexUnavailable, match="another call is trying"):
+                await index.longest_prefix(H)
+        assert time.perf_counter() - t0 < 0.1
+        with pytest.raises(IndexUnavailable):
+            await probe  # its own timeout
+        redis_server.resume()
+        await asyncio.sleep(0.25)
+        assert await index.longest_prefix(H) == {"w": 8}  # the next probe finds it back...
+        assert await asyncio.gather(*(index.longest_prefix(H) for _ in range(3))) == [{"w": 8}] * 3  # ...for all
+    finally:
+        redis_server.resume()
+        await index.close()
+
+
 async def test_a_restart_between_calls_is_noticed(redis_server):
     """Redis lost its contents without any call failing (e.g. another client flushed it): refill anyway."""
     recovered = Recovered()
