@@ -243,9 +243,9 @@ def test_a_verify_steps_wait_for_its_ids_is_counted_as_waiting_not_as_speculatio
                              speculation=[SpeculationRule(max_context=10**9, k=4)])
     eng = make_engine()
     eng.speculator = spec = Speculator(drafting)
-    real_choose, real_verify, calls = eng.choose, spec.verify, {"choose": 0, "verify": 0}
+    real_choose, real_verify, calls = eng.sampler.sample, spec.verify, {"choose": 0, "verify": 0}
 
-    def choose(*a, **kw):
+    def choose(*a, **kw):  # the sampler's draw, inside Engine.choose
         calls["choose"] += 1
         time.sleep(0.004)
         return real_choose(*a, **kw)
@@ -253,7 +253,7 @@ def test_a_verify_steps_wait_for_its_ids_is_counted_as_waiting_not_as_speculatio
     def verify(*a, **kw):
         calls["verify"] += 1
         return real_verify(*a, **kw)
-    eng.choose, spec.verify = choose, verify
+    eng.sampler.sample, spec.verify = choose, verify
     drive(eng, requests(SamplingParams(temperature=0.0), (60, 45)))
     assert calls["verify"] > 3, "nothing drafted"
     assert eng.token_wait_seconds >= 0.004 * calls["choose"]

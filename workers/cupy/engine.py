@@ -299,13 +299,13 @@ class Engine:
 
     def _read(self, cur: _Launched) -> list[StepOutput]:
         """`cur`'s tokens appended (or put in place of their placeholders) and its step outputs."""
-        t0 = time.perf_counter()
         if cur.ready is not None:
+            t0 = time.perf_counter()
             tokens, logprobs = cur.ready()
-        else:
+            self.token_wait_seconds += time.perf_counter() - t0
+        else:  # choose counts its own wait
             tokens, logprobs = self.choose(cur.logits, cur.rows, [s.request_id for s in cur.seqs], seqs=cur.seqs)
         t1 = time.perf_counter()
-        self.token_wait_seconds += t1 - t0
         outputs = self.append_tokens(cur.seqs, tokens.tolist(), None, logprobs, cur.at,
                                      cur.early if cur.ahead or cur.early else None)
         self.phase_seconds["append"] += time.perf_counter() - t1
@@ -358,7 +358,15 @@ class Engine:
         rows' sequences, for their output so far) and grammar masks applied first (`drafts`: {request id:
         draft} when rows are speculative verify positions; a penalized sequence never drafts); the
         constrained rows' matchers advance unless drafts are given (verification advances them by what it
-        keeps)."""
+        keeps). Its time (on a GPU: waiting for the step's ids) is counted in token_wait_seconds, whichever
+        step (plain, speculative, a pipeline's) asks."""
+        t0 = time.perf_counter()
+        try:
+            return self._choose(logits, rows, ids, index, drafts, seqs)
+        finally:
+            self.token_wait_seconds += time.perf_counter() - t0
+
+    def _choose(self, logits, rows: list[SampleRow], ids: list[str], index, drafts, seqs):
         constrained = self.constraints is not None and any(i in self.constraints for i in ids)
         penalized = seqs is not None and rows_ask(rows, ASK_PENALIZED)
         if not constrained and not penalized:

@@ -29,7 +29,6 @@ kept tokens are ever hashed into the prefix cache.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from policy.profiles import DeviceProfile
@@ -254,11 +253,7 @@ class Speculator:
                     draft_groups.append((seq, drafts[b]))
         outputs = []
         if plain_rows:  # sequences without a draft sample exactly as in a plain step
-            t0 = time.perf_counter()
-            tokens, lps = engine.choose(logits, plain_samples, [s.request_id for s in plain_seqs], plain_rows,
-                                        seqs=plain_seqs)
-            engine.token_wait_seconds += time.perf_counter() - t0  # the step's ids: the device's wait, as _read's
-            outputs += engine.append_tokens(plain_seqs, tokens.tolist(), None, lps)
+            outputs += engine._sample(logits, plain_seqs, index=plain_rows, rows=plain_samples)
         if draft_groups:
             outputs += self._accept(engine, logits, draft_rows, draft_groups, draft_samples)
         return outputs, batch.num_tokens - len(batch.sample_rows)
@@ -271,10 +266,8 @@ class Speculator:
         keyed by (seed, token index), that is the token plain decoding would have drawn there: exact for
         any temperature, and the same tokens as without speculation (sampler.py)."""
         ids = [seq.request_id for seq, d in groups for _ in range(len(d) + 1)]
-        t0 = time.perf_counter()
         targets, lps = engine.choose(step_logits, sample_rows, ids, index=rows,
                                      drafts={s.request_id: d for s, d in groups})
-        engine.token_wait_seconds += time.perf_counter() - t0
         outputs, row = [], 0
         for seq, draft in groups:
             width = len(draft) + 1
